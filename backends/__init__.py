@@ -1,0 +1,1 @@
+"""Backends: the torch reference executors and the CuTe DSL megakernel."""

@@ -1,0 +1,1 @@
+"""CuTe DSL megakernel backend (imports cutlass lazily)."""

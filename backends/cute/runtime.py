@@ -1,0 +1,113 @@
+"""Host runtime of the CuTe megakernel: device buffers, compile, launch, error check, graphs.
+
+    rt = Megakernel(plan)          # generates + compiles (once per compile-time plan)
+    rt.step()                      # step counter += 1, one launch (one CTA per queue)
+    rt.check()                     # synchronizes; raises MegakernelTimeout if a wait timed out
+    g = rt.capture_graph()         # CUDA graph of (step += 1, launch); g.replay() per step
+
+Buffers: the task table (int64 [T, ROW_WORDS]), per-CTA queue bounds (int32 [C, 2]), event
+counters (int32 [E], zeroed once, never reset: thresholds grow with the step), the error buffer
+(int32 [ERR_WORDS], see plan.ErrWord) and the step counter (int32 [1], 1-based at the first
+launch). The kernel reads the step from device memory, so a captured graph stays valid.
+"""
+from __future__ import annotations
+
+import os
+
+from .plan import ERR_WORDS, ROW_WORDS, ErrWord, KernelPlan
+
+
+class MegakernelTimeout(RuntimeError):
+    """A bounded wait expired: names the task, event, expected and seen counter values."""
+
+    def __init__(self, info: dict):
+        self.info = info
+        super().__init__(
+            "megakernel wait timed out: task {task_id} (CTA {cta}, step {step}) waited on event "
+            "{event} for counter >= {expected} but saw {seen}; a producer never signalled "
+            "(missing signal, wrong threshold or a dead producer)".format(**info))
+
+
+class Megakernel:
+    """Compiled megakernel plus the device state it walks."""
+
+    def __init__(self, plan: KernelPlan, out_dir: str | os.PathLike | None = None,
+                 device: str = "cuda"):
+        import torch
+
+        from .codegen import compile_plan
+
+        self.plan = plan
+        self.device = torch.device(device)
+        self.compiled, self.module_path, _ = compile_plan(plan, out_dir)
+        self.events = torch.zeros(max(1, plan.num_events), dtype=torch.int32, device=device)
+        self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=device)
+        self.step_buf = torch.zeros(1, dtype=torch.int32, device=device)
+        self.steps_launched = 0
+        self.set_tasks(plan)
+
+    def set_tasks(self, plan: KernelPlan) -> None:
+        """Upload a table for the same compiled kernel (new addresses, same shape of work)."""
+        import torch
+
+        from .codegen import compile_key
+
+        if compile_key(plan) != compile_key(self.plan):
+            raise ValueError("plan needs a different kernel: build a new Megakernel")
+        rows, bounds = plan.table_words()
+        rows = rows or [[0] * ROW_WORDS]
+        self.table = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.queues = torch.tensor(bounds, dtype=torch.int32, device=self.device)
+        self.num_tasks = len(plan.tasks)
+        self.plan = plan
+
+    def _args(self):
+        return (self.table.data_ptr(), self.queues.data_ptr(), self.events.data_ptr(),
+                self.err.data_ptr(), self.step_buf.data_ptr(), max(1, self.num_tasks))
+
+    def launch(self) -> None:
+        """One launch on the current torch stream, without touching the step counter."""
+        import cuda.bindings.driver as cuda
+        import torch
+        from cutlass import Int32, Int64
+
+        t, q, e, r, s, n = self._args()
+        stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        self.compiled(Int64(t), Int64(q), Int64(e), Int64(r), Int64(s), Int32(n), stream)
+
+    def step(self) -> None:
+        """Advance the step counter on the device and run one decode step."""
+        self.step_buf.add_(1)
+        self.launch()
+        self.steps_launched += 1
+
+    def error(self) -> dict | None:
+        """The recorded wait timeout (synchronizes), or None."""
+        e = self.err.tolist()
+        if e[ErrWord.FLAG] == 0:
+            return None
+        return {f.name.lower(): e[f] for f in ErrWord if f != ErrWord.FLAG}
+
+    def check(self) -> None:
+        """Raise MegakernelTimeout if any wait expired since the last reset_error()."""
+        info = self.error()
+        if info is not None:
+            raise MegakernelTimeout(info)
+
+    def reset_error(self) -> None:
+        self.err.zero_()
+
+    def capture_graph(self, steps: int = 1):
+        """A torch.cuda.CUDAGraph of `steps` x (step counter += 1, launch)."""
+        import torch
+
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            with torch.cuda.graph(g, stream=side):
+                for _ in range(steps):
+                    self.step_buf.add_(1)
+                    self.launch()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return g

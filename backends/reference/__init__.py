@@ -1,0 +1,1 @@
+"""Reference executors in torch: the semantic oracle for every other backend."""

@@ -1,0 +1,68 @@
+"""Deterministic random weights for a graph (by seed and weight name, independent of order).
+
+Models may give init rules (`WEIGHT_INIT`: a list of (fnmatch pattern, rule)); the default
+for a matrix is normal / sqrt(fan_in), so activations keep unit scale through deep graphs.
+MXFP4 weights are drawn directly as random nibbles and scales of the same magnitude.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import zlib
+
+import torch
+
+from fusec.ir.graph import Graph
+from fusec.ir.quant import MXFP4Tensor
+from fusec.ir.types import MXFP4_GROUP, DType
+
+RULES = ("linear", "ones", "norm", "small", "alog", "normal", "zeros")
+
+
+def _gen(seed: int, name: str, device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+    return g
+
+
+def init_weight(name: str, shape: tuple[int, ...], dtype: DType, rule: str, seed: int, device="cpu"):
+    g = _gen(seed, name, device)
+    if dtype is DType.mxfp4:
+        *lead, n, k = shape
+        packed = torch.randint(0, 256, (*lead, n, k // 2), generator=g, device=device, dtype=torch.uint8)
+        # E2M1 magnitudes average ~2 (rms ~2.9); aim the product at 1/sqrt(k)
+        e = round(math.log2(1.0 / (math.sqrt(k) * 2.9)))
+        scale = torch.full((*lead, n, k // MXFP4_GROUP), 127 + e, dtype=torch.uint8, device=device)
+        jitter = torch.randint(-1, 2, scale.shape, generator=g, device=device, dtype=torch.int16)
+        return MXFP4Tensor(packed, (scale.to(torch.int16) + jitter).to(torch.uint8))
+    t = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+    if rule == "linear":
+        t = t / math.sqrt(shape[-1])
+    elif rule == "ones":
+        t = torch.ones(shape, device=device)
+    elif rule == "norm":
+        t = 1.0 + 0.1 * t
+    elif rule == "small":
+        t = 0.1 * t
+    elif rule == "alog":
+        t = torch.log(torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=g))
+    elif rule == "zeros":
+        t = torch.zeros(shape, device=device)
+    elif rule != "normal":
+        raise ValueError(f"unknown init rule {rule!r} (have: {', '.join(RULES)})")
+    if dtype is DType.bf16:
+        return t.to(torch.bfloat16)
+    if dtype is DType.f32:
+        return t
+    return t.to({DType.f16: torch.float16}.get(dtype, torch.float32))
+
+
+def random_weights(graph: Graph, seed: int = 0, rules=(), device="cpu") -> dict:
+    """One tensor per weight of `graph`; `rules` is a list of (fnmatch pattern, rule), first match wins."""
+    out = {}
+    for v in graph.weights():
+        rule = next((r for pat, r in rules if fnmatch.fnmatchcase(v.name, pat)), None)
+        if rule is None:
+            rule = "linear" if v.type.rank >= 2 else "norm"
+        out[v.name] = init_weight(v.name, v.type.concrete({}), v.type.dtype, rule, seed, device)
+    return out

@@ -1,0 +1,60 @@
+"""MXFP4 storage (OCP microscaling, as in compressed-tensors `mxfp4-pack-quantized`).
+
+Values are E2M1 nibbles packed two per byte along the input dim (low nibble = even element),
+with one E8M0 scale byte per 32 inputs (value 2^(byte-127)), no global scale, no zero point.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .types import MXFP4_GROUP
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass
+class MXFP4Tensor:
+    """A run-time mxfp4 tensor of logical shape [..., N, K]: packed [..., N, K/2] u8, scale [..., N, K/32] u8."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+    def to(self, device) -> "MXFP4Tensor":
+        return MXFP4Tensor(self.packed.to(device), self.scale.to(device))
+
+    def __getitem__(self, idx) -> "MXFP4Tensor":
+        """Index leading dims only (e.g. one expert)."""
+        return MXFP4Tensor(self.packed[idx], self.scale[idx])
+
+    def dequant(self, dtype=torch.float32) -> torch.Tensor:
+        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=self.packed.device)
+        p = self.packed.to(torch.int32)
+        nib = torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)  # [..., N, K]
+        mag = table[nib & 0x7]
+        val = torch.where((nib & 0x8) != 0, -mag, mag)
+        s = torch.exp2(self.scale.to(torch.float32) - 127.0)
+        val = val.unflatten(-1, (-1, MXFP4_GROUP)) * s[..., None]
+        return val.flatten(-2).to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> MXFP4Tensor:
+    """Round a float tensor [..., N, K] to MXFP4 (nearest E2M1 value after a power-of-two scale)."""
+    w = w.to(torch.float32)
+    g = w.unflatten(-1, (-1, MXFP4_GROUP))
+    amax = g.abs().amax(-1).clamp_min(2.0 ** -126)
+    e = torch.floor(torch.log2(amax)) - 2  # largest magnitude lands in [4, 8): 6 is the top value
+    e = e.clamp(-127, 127)
+    scaled = g / torch.exp2(e)[..., None]
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
+    idx = (scaled.abs()[..., None] - table).abs().argmin(-1)
+    nib = idx | ((scaled < 0).to(torch.int64) << 3)
+    nib = nib.flatten(-2)
+    packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
+    scale = (e + 127).to(torch.uint8)
+    return MXFP4Tensor(packed, scale)

@@ -1,0 +1,164 @@
+"""The op registry: the one place an op is defined.
+
+An `OpDef` holds the op's signature (operand, result and attribute names), its shape/dtype
+rule, its torch reference implementation, its cost (bytes read and written, flops) and its
+traits. The printer and parser take operand and attribute names from here, the verifier calls
+`infer`, the reference executor calls `ref`, the cost model calls `cost`, fusion reads `traits`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from .types import DType, Kind, TensorType
+
+
+class Trait(enum.Enum):
+    elementwise = "elementwise"      # out[i] depends on in[i] only
+    rowwise = "rowwise"              # reduces over the last dim of one row (norms)
+    gemv = "gemv"                    # streams a weight matrix: the decode hot spot
+    prologue = "prologue"            # may be folded into the next gemv's prologue
+    epilogue = "epilogue"            # may be folded into the producing gemv's epilogue
+    collective = "collective"        # moves data between ranks
+    stateful = "stateful"            # updates a state parameter in place
+    attention = "attention"          # reads a cache over the sequence
+
+
+class AttrKind(enum.Enum):
+    int = "int"
+    float = "float"
+    str = "str"
+    bool = "bool"
+    ints = "ints"      # tuple of ints
+    dims = "dims"      # tuple of ints and symbolic dim names
+
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Attr:
+    kind: AttrKind
+    default: Any = REQUIRED
+
+
+class OpError(ValueError):
+    """An op applied to operands or attributes it does not accept."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    bytes_read: float
+    bytes_written: float
+    flops: float
+
+
+@dataclass
+class OpDef:
+    name: str
+    operands: tuple[str, ...]           # a trailing "*name" is variadic (one or more)
+    results: tuple[str, ...]
+    infer: Callable[[list[TensorType], dict], list[TensorType]]
+    ref: Callable[..., list]             # ref(args, attrs) -> list of torch tensors
+    attrs: Mapping[str, Attr] = field(default_factory=dict)
+    traits: frozenset = frozenset()
+    aliases: Mapping[int, int] = field(default_factory=dict)  # result index -> operand index it updates in place
+    # operand index -> operand index whose run-time value selects what is loaded (V3): e.g. the
+    # expert weights of a MoE op are addressed through the router's ids.
+    addressed_by: Mapping[int, int] = field(default_factory=dict)
+    # operand indices read only in part at batch 1, as a fraction given by attrs (experts: k/E)
+    cost_fn: Callable | None = None
+    doc: str = ""
+
+    @property
+    def variadic(self) -> bool:
+        return bool(self.operands) and self.operands[-1].startswith("*")
+
+    def normalize_attrs(self, attrs: dict) -> dict:
+        """Fill defaults, reject unknown or missing attributes, coerce types; canonical order."""
+        out = {}
+        for k in attrs:
+            if k not in self.attrs:
+                raise OpError(f"{self.name} has no attribute '{k}' (it has: {', '.join(self.attrs) or 'none'})")
+        for k, spec in self.attrs.items():
+            if k in attrs:
+                out[k] = _coerce(self.name, k, spec.kind, attrs[k])
+            elif spec.default is REQUIRED:
+                raise OpError(f"{self.name} needs attribute '{k}'")
+            else:
+                out[k] = spec.default
+        return out
+
+    def check_arity(self, n: int) -> None:
+        fixed = len(self.operands) - (1 if self.variadic else 0)
+        if (self.variadic and n < fixed + 1) or (not self.variadic and n != fixed):
+            want = f"at least {fixed + 1}" if self.variadic else str(fixed)
+            raise OpError(f"{self.name} takes {want} operands ({', '.join(self.operands)}), got {n}")
+
+    def cost(self, in_types: Sequence[TensorType], out_types: Sequence[TensorType], attrs: dict,
+             dims: Mapping[str, int]) -> Cost:
+        if self.cost_fn is not None:
+            return self.cost_fn(in_types, out_types, attrs, dims)
+        return default_cost(in_types, out_types, dims)
+
+
+def default_cost(in_types, out_types, dims, flops_per_out: float = 1.0) -> Cost:
+    rd = sum(t.nbytes(dims) for t in in_types)
+    wr = sum(t.nbytes(dims) for t, in zip(out_types))
+    fl = sum(t.numel(dims) for t in out_types) * flops_per_out
+    return Cost(rd, wr, fl)
+
+
+def _coerce(op: str, name: str, kind: AttrKind, v):
+    try:
+        if kind is AttrKind.int:
+            if isinstance(v, bool) or int(v) != v:
+                raise TypeError
+            return int(v)
+        if kind is AttrKind.float:
+            if isinstance(v, bool):
+                raise TypeError
+            return float(v)
+        if kind is AttrKind.str:
+            if not isinstance(v, str):
+                raise TypeError
+            return v
+        if kind is AttrKind.bool:
+            if not isinstance(v, bool):
+                raise TypeError
+            return v
+        if kind is AttrKind.ints:
+            return tuple(_coerce(op, name, AttrKind.int, x) for x in v)
+        if kind is AttrKind.dims:
+            return tuple(x if isinstance(x, str) else _coerce(op, name, AttrKind.int, x) for x in v)
+    except (TypeError, ValueError):
+        pass
+    raise OpError(f"{op}: attribute '{name}' must be {kind.value}, got {v!r}")
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(opdef: OpDef) -> OpDef:
+    if opdef.name in REGISTRY:
+        raise RuntimeError(f"op {opdef.name} registered twice")
+    REGISTRY[opdef.name] = opdef
+    return opdef
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise OpError(f"unknown op '{name}'") from None
+
+
+def act(shape, dtype: DType) -> TensorType:
+    """Result type helper: an activation of this shape and dtype."""
+    return TensorType(tuple(shape), dtype, Kind.act)
+
+
+def expect(cond: bool, op: str, msg: str) -> None:
+    if not cond:
+        raise OpError(f"{op}: {msg}")

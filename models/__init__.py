@@ -1,0 +1,1 @@
+"""Model definitions: each module builds a decode-step Graph from a named config."""

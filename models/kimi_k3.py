@@ -1,0 +1,229 @@
+"""Kimi K3 decode step (KimiLinearForCausalLM text model), as in shared/models/KIMI_K3.md.
+
+93 layers: KDA linear attention everywhere except the NoPE gated MLA layers 3, 7, ..., 87, 91,
+92; a dense SiTU-GLU FFN at layer 0 and Stable LatentMoE (896 MXFP4 experts, top-16, in a
+3584-wide latent, plus a 6144-wide shared expert) at layers 1..92; Block Attention Residuals
+(block 12) before every mixer and FFN and before the output norm.
+
+Configs: `full` (default), `tiny`, `slice4`, `slice4-e128`; any field can be overridden, e.g.
+`build_graph("slice4", attn_res_block=2)` or `fusec compile models/kimi_k3.py --config slice4
+--set attn_res_block=2`. Weights are named by their checkpoint path without the
+`language_model.model.` prefix; `checkpoint_names` maps them to the published tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fusec.ir.builder import GraphBuilder
+from fusec.ir.graph import Graph, Value
+from fusec.ir.types import DType
+
+BF16, F32, I32, MXFP4 = DType.bf16, DType.f32, DType.i32, DType.mxfp4
+
+
+@dataclass(frozen=True)
+class K3Config:
+    name: str = "full"
+    vocab: int = 163840
+    hidden: int = 7168
+    layers: int = 93
+    mla_layers: tuple[int, ...] = tuple(range(3, 88, 4)) + (91, 92)
+    dense_layers: tuple[int, ...] = (0,)
+    dense_inter: int = 33792
+    rms_eps: float = 1e-5
+    mla_eps: float = 1e-5          # q_a / kv_a layernorm eps (vLLM's value; HF default would be 1e-6)
+    attn_res_block: int = 12
+    # MLA
+    mla_heads: int = 96
+    q_lora: int = 1536
+    kv_lora: int = 512
+    qk_nope: int = 128
+    qk_rope: int = 64
+    v_dim: int = 128
+    # KDA
+    kda_heads: int = 96
+    kda_head_dim: int = 128
+    conv_width: int = 4
+    a_log_len: int = 128           # the checkpoint stores 128 floats; the first `kda_heads` are used
+    a_log_broadcast: str = "head"  # "head": one A per head (vLLM, SGLang); "channel": per channel
+    f_rank: int = 128
+    # LatentMoE
+    experts: int = 896
+    topk: int = 16
+    expert_inter: int = 3072
+    latent: int = 3584
+    shared_inter: int = 6144
+    routed_scale: float = 1.0
+    expert_dtype: str = "mxfp4"
+
+    @property
+    def kda_width(self) -> int:
+        return self.kda_heads * self.kda_head_dim
+
+    def is_mla(self, i: int) -> bool:
+        return i in self.mla_layers
+
+    def freezes_block(self, i: int) -> bool:
+        return i % self.attn_res_block == 0
+
+
+CONFIGS: dict[str, K3Config] = {
+    "full": K3Config(),
+    "tiny": K3Config(name="tiny", vocab=4096, hidden=512, layers=9, mla_layers=(3, 7, 8), dense_inter=1024,
+                     attn_res_block=3, mla_heads=4, q_lora=128, kv_lora=64, qk_nope=32, qk_rope=16, v_dim=32,
+                     kda_heads=4, kda_head_dim=64, a_log_len=8, f_rank=32, experts=32, topk=4,
+                     expert_inter=128, latent=256, shared_inter=256),
+    "slice4": K3Config(name="slice4", layers=4, mla_layers=(3,)),
+    "slice4-e128": K3Config(name="slice4-e128", layers=4, mla_layers=(3,), experts=128, expert_dtype="bf16"),
+}
+DEFAULT_CONFIG = "full"
+
+
+def get_config(config: str | K3Config = DEFAULT_CONFIG, **overrides) -> K3Config:
+    cfg = config if isinstance(config, K3Config) else CONFIGS.get(config)
+    if cfg is None:
+        raise ValueError(f"unknown config '{config}' for kimi_k3 (have: {', '.join(CONFIGS)})")
+    fields = {f.name: f for f in dataclasses.fields(K3Config)}
+    for k in overrides:
+        if k not in fields:
+            raise ValueError(f"kimi_k3 config has no field '{k}'")
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def build_graph(config: str | K3Config = DEFAULT_CONFIG, **overrides) -> Graph:
+    """The whole decode step: tokens, positions -> logits and greedy next tokens."""
+    c = get_config(config, **overrides)
+    b = GraphBuilder(f"kimi_k3_{c.name}".replace("-", "_"), dims=("B", "L"))
+    tokens = b.io("tokens", ["B"], I32)
+    pos = b.io("pos", ["B"], I32)
+    x = b.op("embedding", b.weight("embed_tokens.weight", [c.vocab, c.hidden]), tokens, name="embed")
+    blocks: list[Value] = []
+    partial = x
+    for i in range(c.layers):
+        p = f"layers.{i}."
+        with b.scope(f"l{i}"):
+            h = partial if i == 0 else _attn_res(b, c, p + "self_attention_res", blocks, partial, "mix_attn")
+            if c.freezes_block(i):
+                blocks.append(partial)   # the running residual becomes a block; the partial restarts
+                partial = None
+            hn = b.op("rms_norm", h, b.weight(p + "input_layernorm.weight", [c.hidden]), eps=c.rms_eps, name="attn_in")
+            mix = _mla(b, c, p, hn, pos) if c.is_mla(i) else _kda(b, c, p, hn)
+            partial = mix if partial is None else b.op("add", partial, mix, name="resid_attn")
+            h = _attn_res(b, c, p + "mlp_res", blocks, partial, "mix_ffn")
+            hn = b.op("rms_norm", h, b.weight(p + "post_attention_layernorm.weight", [c.hidden]), eps=c.rms_eps,
+                      name="ffn_in")
+            ffn = _dense_ffn(b, c, p, hn) if i in c.dense_layers else _latent_moe(b, c, p, hn)
+            partial = b.op("add", partial, ffn, name="resid_ffn")
+    with b.scope("out"):
+        h = _attn_res(b, c, "output_attn_res", blocks, partial, "mix")
+        hn = b.op("rms_norm", h, b.weight("norm.weight", [c.hidden]), eps=c.rms_eps, name="norm")
+        logits = b.op("linear", hn, b.weight("lm_head.weight", [c.vocab, c.hidden]), out_dtype="f32", name="logits")
+        nxt = b.op("argmax", logits, name="next_token")
+    return b.finish([logits, nxt])
+
+
+def _attn_res(b, c, prefix, blocks, partial, name):
+    norm = b.weight(prefix + "_norm.weight", [c.hidden])
+    proj = b.weight(prefix + "_proj.weight", [1, c.hidden])
+    return b.op("attn_res", norm, proj, *blocks, partial, eps=c.rms_eps, name=name)
+
+
+def _kda(b, c, p, h):
+    a = p + "self_attn."
+    w = c.kda_width
+    d = c.kda_head_dim
+
+    def proj(n, out, k=c.hidden, **kw):
+        return b.op("linear", h, b.weight(a + n + ".weight", [out, k]), name=n, **kw)
+
+    def conv(x, n):
+        st = b.state(f"{p}kda.{n}_conv_state", ["B", w, c.conv_width - 1], BF16)
+        y, new = b.op("conv_update", x, st, b.weight(a + n + "_conv1d.weight", [w, 1, c.conv_width], F32),
+                      names=[n + "_conv", n + "_conv_state"])
+        b.g.update(st, new)
+        return y
+
+    q = b.op("l2_norm", conv(proj("q_proj", w), "q"), head_dim=d, scale=d ** -0.5, name="q")
+    k = b.op("l2_norm", conv(proj("k_proj", w), "k"), head_dim=d, name="k")
+    v = conv(proj("v_proj", w), "v")
+    fa = proj("f_a_proj", c.f_rank)
+    f = b.op("linear", fa, b.weight(a + "f_b_proj.weight", [w, c.f_rank]), name="f_b_proj")
+    g = b.op("kda_gate", f, b.weight(a + "A_log", [c.a_log_len], F32), b.weight(a + "dt_bias", [w], F32),
+             heads=c.kda_heads, head_dim=d, a_log_broadcast=c.a_log_broadcast, name="decay")
+    beta = b.op("sigmoid", proj("b_proj", c.kda_heads, out_dtype="f32"), name="beta")
+    s = b.state(f"{p}kda.recurrent_state", ["B", c.kda_heads, d, d], F32)
+    o, s_new = b.op("kda_recurrent", q, k, v, g, beta, s, heads=c.kda_heads, head_dim=d,
+                    names=["kda_o", "kda_state"])
+    b.g.update(s, s_new)
+    gate = proj("g_proj", w)
+    o = b.op("gated_rms_norm", o, gate, b.weight(a + "o_norm.weight", [d], F32), head_dim=d, eps=c.rms_eps,
+             name="o_norm")
+    return b.op("linear", o, b.weight(a + "o_proj.weight", [c.hidden, w]), name="o_proj")
+
+
+def _mla(b, c, p, h, pos):
+    a = p + "self_attn."
+    hd = c.qk_nope + c.qk_rope
+    mla = dict(heads=c.mla_heads, nope=c.qk_nope, rope=c.qk_rope, kv_lora=c.kv_lora, v_dim=c.v_dim)
+    qa = b.op("linear", h, b.weight(a + "q_a_proj.weight", [c.q_lora, c.hidden]), name="q_a")
+    qa = b.op("rms_norm", qa, b.weight(a + "q_a_layernorm.weight", [c.q_lora]), eps=c.mla_eps, name="q_a_norm")
+    q = b.op("linear", qa, b.weight(a + "q_b_proj.weight", [c.mla_heads * hd, c.q_lora]), name="q_b")
+    q = b.op("reshape", q, shape=("B", c.mla_heads, hd), name="q_heads")
+    q_nope = b.op("slice", q, dim=2, start=0, end=c.qk_nope, name="q_nope")
+    q_pe = b.op("slice", q, dim=2, start=c.qk_nope, end=hd, name="q_pe")   # NoPE: never rotated
+    kv = b.op("linear", h, b.weight(a + "kv_a_proj_with_mqa.weight", [c.kv_lora + c.qk_rope, c.hidden]), name="kv_a")
+    ckv = b.op("slice", kv, dim=1, start=0, end=c.kv_lora, name="c_kv")
+    ckv = b.op("rms_norm", ckv, b.weight(a + "kv_a_layernorm.weight", [c.kv_lora]), eps=c.mla_eps, name="c_kv_norm")
+    kpe = b.op("slice", kv, dim=1, start=c.kv_lora, end=c.kv_lora + c.qk_rope, name="k_pe")
+    row = b.op("concat", ckv, kpe, dim=1, name="cache_row")
+    cache = b.state(f"{p}mla.latent_cache", ["B", "L", c.kv_lora + c.qk_rope], BF16)
+    new_cache = b.op("cache_append", cache, row, pos, name="latent_cache")
+    b.g.update(cache, new_cache)
+    kv_b = b.weight(a + "kv_b_proj.weight", [c.mla_heads * (c.qk_nope + c.v_dim), c.kv_lora])
+    o = b.op("mla_attention_naive", q_nope, q_pe, new_cache, kv_b, pos, scale=hd ** -0.5, name="attn", **mla)
+    gate = b.op("linear", h, b.weight(a + "g_proj.weight", [c.mla_heads * c.v_dim, c.hidden]), name="g_proj")
+    o = b.op("sigmoid_mul", o, gate, name="gated")
+    return b.op("linear", o, b.weight(a + "o_proj.weight", [c.hidden, c.mla_heads * c.v_dim]), name="o_proj")
+
+
+def _glu_mlp(b, c, prefix, h, inter):
+    g = b.op("linear", h, b.weight(prefix + "gate_proj.weight", [inter, c.hidden]), name="gate_proj")
+    u = b.op("linear", h, b.weight(prefix + "up_proj.weight", [inter, c.hidden]), name="up_proj")
+    act = b.op("situ_glu", g, u, name="glu")
+    return b.op("linear", act, b.weight(prefix + "down_proj.weight", [c.hidden, inter]), name="down_proj")
+
+
+def _dense_ffn(b, c, p, h):
+    return _glu_mlp(b, c, p + "mlp.", h, c.dense_inter)
+
+
+def _latent_moe(b, c, p, h):
+    m = p + "block_sparse_moe."
+    edt = DType(c.expert_dtype)
+    logits = b.op("linear", h, b.weight(m + "gate.weight", [c.experts, c.hidden]), out_dtype="f32", name="router_logits")
+    w, ids = b.op("router", logits, b.weight(m + "gate.e_score_correction_bias", [c.experts], F32),
+                  topk=c.topk, scale=c.routed_scale, names=["route_w", "route_ids"])
+    lat = b.op("linear", h, b.weight(m + "routed_expert_down_proj.weight", [c.latent, c.hidden]), name="latent")
+    hh = b.op("moe_gate_up", lat, ids, b.weight(m + "experts.w1", [c.experts, c.expert_inter, c.latent], edt),
+              b.weight(m + "experts.w3", [c.experts, c.expert_inter, c.latent], edt), name="experts_glu")
+    y = b.op("moe_down", hh, ids, b.weight(m + "experts.w2", [c.experts, c.latent, c.expert_inter], edt),
+             name="experts_down")
+    u = b.op("moe_combine", y, w, name="combine")
+    u = b.op("rms_norm", u, b.weight(m + "routed_expert_norm.weight", [c.latent]), eps=c.rms_eps, out_dtype="bf16",
+             name="latent_norm")
+    up = b.op("linear", u, b.weight(m + "routed_expert_up_proj.weight", [c.hidden, c.latent]), name="latent_up")
+    with b.scope("shared"):
+        sh = _glu_mlp(b, c, m + "shared_experts.", h, c.shared_inter)
+    return b.op("add", up, sh, name="moe_out")
+
+
+# Random-init rules (fnmatch on weight names; first match wins) for tests and benchmarks.
+WEIGHT_INIT = [
+    ("*.A_log", "alog"),
+    ("*.dt_bias", "small"),
+    ("*.e_score_correction_bias", "small"),
+    ("*conv1d.weight", "normal"),
+    ("embed_tokens.weight", "normal"),
+    ("*_res_proj.weight", "linear"),
+]
