@@ -227,3 +227,16 @@ WEIGHT_INIT = [
     ("embed_tokens.weight", "normal"),
     ("*_res_proj.weight", "linear"),
 ]
+
+# Checkpoint names: graph weights are the published names without this prefix; stacked expert
+# weights `...experts.w1` gather `...experts.{e}.w1.weight_packed/.weight_scale` (see fusec.checkpoint).
+CHECKPOINT_PREFIX = "language_model.model."
+CHECKPOINT_RENAMES = {"lm_head.weight": "language_model.lm_head.weight"}
+# Published tensors the decode graph does not read: the vision tower, and layer 0's mixer-side
+# AttnRes (layer 0 has a single source, so its mix is the identity).
+CHECKPOINT_UNUSED = ["vision_tower.*", "multi_modal_projector.*", "mm_projector.*",
+                     "language_model.model.layers.0.self_attention_res_*"]
+
+
+def checkpoint_name(weight: str) -> str:
+    return CHECKPOINT_RENAMES.get(weight, CHECKPOINT_PREFIX + weight)

@@ -1,0 +1,1 @@
+"""Compiler passes, one per file, each registered by name (see `manager`)."""

@@ -1,0 +1,112 @@
+"""The pass manager: pipelines are data (lists of registered pass names).
+
+A pass is a function `run(prog: Program) -> bool` (True when it changed something), registered
+with `@register_pass(name)` in its own module `passes/<name>.py`; its docstring states what it
+requires and ensures. After every pass the manager verifies the program (IR rules, and the
+memory-order rules once a schedule exists) and names the pass that broke a rule.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from fusec.config import Options, log
+from fusec.ir.graph import Graph
+from fusec.ir.schedule import Schedule
+
+
+@dataclass
+class Program:
+    """What passes transform: the graph, then (from `tile` on) the schedule being built."""
+
+    graph: Graph
+    opts: Options
+    schedule: Schedule | None = None
+    notes: dict = field(default_factory=dict)   # facts passes leave for later passes and the report
+
+
+PassFn = Callable[[Program], bool]
+PASSES: dict[str, PassFn] = {}
+
+PIPELINES: dict[str, list[str]] = {
+    "default": ["canonicalize", "fuse", "shard", "tile", "overlap", "schedule", "prefetch"],
+    "graph": ["canonicalize", "fuse", "shard"],
+    "none": [],
+}
+
+
+class PassError(RuntimeError):
+    """A pass failed or left the program breaking a rule; the message names the pass."""
+
+
+def register_pass(name: str):
+    def deco(fn: PassFn) -> PassFn:
+        if name in PASSES:
+            raise RuntimeError(f"pass {name} registered twice")
+        PASSES[name] = fn
+        fn.pass_name = name
+        return fn
+    return deco
+
+
+def get_pass(name: str) -> PassFn:
+    if name not in PASSES:
+        try:
+            importlib.import_module(f"fusec.passes.{name}")
+        except ModuleNotFoundError:
+            pass
+    if name not in PASSES:
+        raise PassError(f"unknown pass '{name}' (known: {', '.join(sorted(_all_pass_names()))})")
+    return PASSES[name]
+
+
+def _all_pass_names() -> list[str]:
+    here = Path(__file__).parent
+    return [p.stem for p in here.glob("*.py") if p.stem not in ("__init__", "manager") and not p.stem.startswith("_")]
+
+
+def parse_pipeline(spec: str) -> list[str]:
+    """`default`, a pipeline name, or a comma list of pass names."""
+    if spec in PIPELINES:
+        return list(PIPELINES[spec])
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for n in names:
+        get_pass(n)
+    return names
+
+
+def verify_program(prog: Program) -> None:
+    """Raise ValueError naming the broken rule (IR verifier; memory order once scheduled)."""
+    from fusec.ir.verify import verify_graph
+    verify_graph(prog.graph)
+    if prog.schedule is not None and prog.notes.get("scheduled"):
+        from fusec.passes.memory_order import check_schedule
+        report = check_schedule(prog.schedule)
+        if not report.ok:
+            raise ValueError(report.first_error())
+
+
+def run_pipeline(prog: Program, names: list[str], on_stage: Callable[[str, Program], None] | None = None) -> Program:
+    timings = prog.notes.setdefault("pass_seconds", {})
+    for name in names:
+        fn = get_pass(name)
+        t = time.perf_counter()
+        try:
+            changed = fn(prog)
+        except PassError:
+            raise
+        except ValueError as e:
+            raise PassError(f"pass {name} failed: {e}") from None
+        timings[name] = time.perf_counter() - t
+        log(prog.opts, "pass", f"{name}: {'changed' if changed else 'no change'} in {timings[name]:.3f}s")
+        if prog.opts.verify_each_pass:
+            try:
+                verify_program(prog)
+            except ValueError as e:
+                raise PassError(f"after pass {name}: {e}") from None
+        if on_stage is not None:
+            on_stage(name, prog)
+    return prog
