@@ -14,6 +14,7 @@ The table printed last is what goes into docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -62,7 +63,8 @@ def correctness(batch: int, gen: torch.Generator, steps: int = 3) -> Megakernel:
     tasks += wl.gemv_tasks(wc, hn, yc, 132, 4000, wait=(1, 1, 0))
     # Tasks are listed in a topological order, so round robin keeps every queue consistent.
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks)), num_events=4,
-                      batch=batch, spin_timeout_ns=100_000_000, name=f"check_b{batch}")
+                      batch=batch, spin_timeout_ns=100_000_000, name=f"check_b{batch}",
+                      rows_per_warp=2 if batch <= 4 else 1)
     rt = Megakernel(plan)
     ok_all = True
     for step in range(1, steps + 1):
@@ -101,9 +103,8 @@ def bounded_wait(rt: Megakernel) -> None:
     w = torch.randn(8, 256, device="cuda").to(torch.bfloat16)
     y = torch.empty(1, 8, device="cuda", dtype=torch.bfloat16)
     tasks = wl.gemv_tasks(w, x, y, 1, 77, wait=(3, 1, 0))  # event 3: nobody signals it
-    rt.set_tasks(KernelPlan(tasks=tuple(tasks), queues=((0,),) + ((),) * 131, num_events=4,
-                            batch=rt.plan.batch, spin_timeout_ns=rt.plan.spin_timeout_ns,
-                            name=rt.plan.name, extra_opcodes=rt.plan.opcodes))
+    rt.set_tasks(dataclasses.replace(rt.plan, tasks=tuple(tasks), queues=((0,),) + ((),) * 131,
+                                     extra_opcodes=rt.plan.opcodes))
     t0 = time.perf_counter()
     rt.step()
     try:
@@ -117,13 +118,14 @@ def bounded_wait(rt: Megakernel) -> None:
         print("   ", exc)
 
 
-def timing(threads: int, unroll: int, tiles: int, reps: int) -> None:
+def timing(threads: int, unroll: int, tiles: int, rows_per_warp: int, reps: int) -> None:
     n, k, dev, bf = 49280, 7168, "cuda", torch.bfloat16
     ws = [torch.randn(n, k, device=dev).to(bf) for _ in range(2)]
     x = torch.randn(1, k, device=dev).to(bf)
     y = torch.empty(1, n, device=dev, dtype=bf)
     plans = [KernelPlan(tasks=tuple(wl.gemv_tasks(w, x, y, tiles)), queues=round_robin_queues(tiles),
-                        num_events=1, threads=threads, unroll=unroll, name="gemv_time")
+                        num_events=1, threads=threads, unroll=unroll,
+                        rows_per_warp=rows_per_warp, name="gemv_time")
              for w in ws]
     rt = Megakernel(plans[0])
     tables = []
@@ -150,7 +152,7 @@ def timing(threads: int, unroll: int, tiles: int, reps: int) -> None:
     rt.check()
     t = statistics.median(times)
     tbps = (n * k * 2 + k * 2 + n * 2) / t / 1e12
-    record(f"gemv 7168->49280 B=1 thr={threads} unroll={unroll} tiles={tiles}",
+    record(f"gemv 7168->49280 B=1 thr={threads} u={unroll} rows/warp={rows_per_warp} tiles={tiles}",
            f"{t * 1e6:.1f} us {tbps:.2f} TB/s {100 * tbps / CEILING_TBPS:.0f}%", err < TOL)
 
 
@@ -175,7 +177,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="batch 1 only, one timing variant")
     ap.add_argument("--json", default=os.environ.get("OUT", ".") + "/gemv_megakernel.json")
-    ap.add_argument("--variants", default="512:4:132,512:7:132,256:7:132,512:7:264")
+    ap.add_argument("--variants", help="threads:unroll:tiles:rows_per_warp,...",
+                    default="1024:4:132:1,1024:2:132:2,512:2:132:4,512:4:132:2,512:4:132:1,512:4:264:2")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -190,8 +193,8 @@ def main() -> int:
     reps = 100
     cublas_reference(reps)
     for v in args.variants.split(",")[: 1 if args.quick else None]:
-        thr, unroll, tiles = (int(s) for s in v.split(":"))
-        timing(thr, unroll, tiles, reps)
+        thr, unroll, tiles, rpw = (int(s) for s in v.split(":"))
+        timing(thr, unroll, tiles, rpw, reps)
     print("\n| what | result | check |\n|---|---|---|")
     for what, value, status in rows:
         print(f"| {what} | {value} | {status} |")

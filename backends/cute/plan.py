@@ -5,7 +5,7 @@ backend: it builds `TaskRow`s, assigns them to per-CTA queues and wraps them in 
 The code generator only renders the plan (templates loop over it); the runtime only encodes it.
 
 Compile-time part (changes the generated kernel): `opcodes` used, `threads`, `batch`,
-`unroll`, `num_ctas`, `spin_timeout_ns`, `relaxed_spin` (planted bug for the PTX audit).
+`unroll`, `rows_per_warp`, `num_ctas`, `spin_timeout_ns`, `relaxed_spin` (planted bug for the PTX audit).
 Run-time part (lives in device memory, never recompiles): the task table and the queues.
 
 Task table: int64 tensor [num_tasks, ROW_WORDS], rows grouped by CTA so that CTA c walks rows
@@ -165,6 +165,7 @@ class KernelPlan:
     batch: int = 1
     threads: int = 512
     unroll: int = 4
+    rows_per_warp: int = 1  # GEMV_BF16: rows a warp streams together (share x loads)
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
