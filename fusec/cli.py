@@ -1,0 +1,161 @@
+"""The `fusec` command line: compile, run, verify, simulate, ops.
+
+Every expected failure (missing file, bad model, malformed .fir, bad checkpoint, a pass or
+verifier error) prints one line `fusec: error: ...` on stderr and exits 2; an unexpected one
+prints `fusec: internal error: ...` and exits 70 (FUSEC_DEBUG=1 shows the traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model file (models/kimi_k3.py), .fir file, or model name")
+    p.add_argument("--config", help="named config of the model file (e.g. tiny, slice4)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fusec", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("compile", help="build, verify and lower a model; write .fir, schedule, report, trace")
+    _add_model_args(c)
+    c.add_argument("-o", "--out", default=None, help="output folder (default: out/<graph name>)")
+    c.add_argument("--emit", default="all", choices=["fir", "all", "cute"],
+                   help="fir: the canonical graph only; all: also schedule, verifier report, trace; "
+                        "cute: also the generated megakernel source and PTX")
+    c.add_argument("--ranks", type=int, default=1)
+    c.add_argument("--batch", type=int, default=1)
+    c.add_argument("--max-len", type=int, default=4096, help="cache capacity (binds L)")
+    c.add_argument("--passes", default="default", help="pipeline name or comma list of passes")
+    c.add_argument("--print-ir-after-all", action="store_true")
+    c.add_argument("--dump-dir", help="write every stage as re-parsable text here")
+    c.add_argument("--aot", action="store_true", help="with --emit cute: also export the sm_90a object and header")
+
+    r = sub.add_parser("run", help="generate tokens greedily")
+    _add_model_args(r)
+    r.add_argument("--steps", type=int, default=8)
+    r.add_argument("--batch", type=int, default=1)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--backend", default="reference", choices=["reference", "cute"])
+    r.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--weights", help="checkpoint folder (default: random weights from --seed)")
+
+    v = sub.add_parser("verify", help="re-check a written schedule; exit 1 on any violation")
+    v.add_argument("path")
+
+    s = sub.add_parser("simulate", help="predict decode step time and tokens/s on many GPUs")
+    _add_model_args(s)
+    s.add_argument("--ranks", type=int, action="append", help="rank counts (repeatable; default 8,16,64,72)")
+    s.add_argument("--gpu", default="h200", choices=["h200", "gb300"])
+    s.add_argument("--batch", type=int, action="append", help="batch sizes (repeatable; default 1, 8)")
+
+    sub.add_parser("ops", help="list the op registry")
+    return ap
+
+
+def cmd_ops(args) -> int:
+    from fusec.ir import REGISTRY
+    for name in sorted(REGISTRY):
+        d = REGISTRY[name]
+        attrs = ", ".join(f"{k}:{a.kind.value}" for k, a in d.attrs.items())
+        traits = ",".join(sorted(t.value for t in d.traits))
+        print(f"{name}({', '.join(d.operands)}) -> {', '.join(d.results)}"
+              f"{'  {' + attrs + '}' if attrs else ''}{'  [' + traits + ']' if traits else ''}")
+        if d.doc:
+            print(f"    {d.doc}")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from fusec.compiler import compile_to_dir
+    from fusec.loader import parse_overrides
+    t0 = time.perf_counter()
+    res = compile_to_dir(args.model, args.config, parse_overrides(args.set), out=args.out, emit=args.emit,
+                         ranks=args.ranks, batch=args.batch, max_len=args.max_len, passes=args.passes,
+                         print_ir_after_all=args.print_ir_after_all, dump_dir=args.dump_dir, aot=args.aot)
+    print(res.summary)
+    for p in res.written:
+        print(f"wrote {p}")
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import torch
+    import fusec
+    from fusec.loader import parse_overrides
+    step = fusec.compile(args.model, args.config, backend=args.backend, batch=args.batch, seed=args.seed,
+                         max_len=max(args.steps, 1), device=args.device, precision=args.precision,
+                         weights=args.weights, overrides=parse_overrides(args.set))
+    g = torch.Generator().manual_seed(args.seed)
+    vocab = step.graph.outputs[0].type.shape[-1]
+    tokens = torch.randint(0, vocab, (args.batch,), generator=g, dtype=torch.int32)
+    print(f"prompt tokens: {tokens.tolist()}")
+    out = step.generate(tokens, args.steps)
+    for s in range(args.steps):
+        print(f"step {s}: {out[s].tolist()}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from fusec.compiler import verify_file
+    ok, text = verify_file(args.path)
+    print(text)
+    return 0 if ok else 1
+
+
+def cmd_simulate(args) -> int:
+    from fusec.loader import load_graph, parse_overrides
+    from fusec.simulate import format_table, simulate
+    g, _ = load_graph(args.model, args.config, parse_overrides(args.set))
+    rows = [simulate(g, ranks=r, gpu=args.gpu, batch=b) for r in (args.ranks or [8, 16, 64, 72])
+            for b in (args.batch or [1, 8])]
+    print(format_table(rows))
+    return 0
+
+
+COMMANDS = {"compile": cmd_compile, "run": cmd_run, "verify": cmd_verify, "simulate": cmd_simulate, "ops": cmd_ops}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.cmd](args)
+    except KeyboardInterrupt:
+        print("fusec: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line, never a traceback (FUSEC_DEBUG=1 for the traceback)
+        if os.environ.get("FUSEC_DEBUG"):
+            raise
+        expected = _expected_errors()
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, expected):
+            print(f"fusec: error: {msg}", file=sys.stderr)
+            return 2
+        print(f"fusec: internal error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 70
+
+
+def _expected_errors() -> tuple[type, ...]:
+    from fusec.ir.graph import GraphError
+    from fusec.ir.parser import FirSyntaxError
+    from fusec.ir.registry import OpError
+    from fusec.loader import ModelError
+    errs = [OSError, FirSyntaxError, GraphError, OpError, ModelError, ValueError]
+    try:
+        from fusec.passes.manager import PassError
+        errs.append(PassError)
+    except ImportError:
+        pass
+    return tuple(errs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""`fusec compile`: model -> verified graph -> pipeline -> schedule, and the files it writes.
+
+Outputs (each written to a temporary name, then renamed):
+  <name>.fir            the canonical graph as declared
+  summary.txt           layers, ops, parameters, active parameters, bytes per step
+  lowered.fir           the graph after the graph passes (fused, sharded)   [--emit all]
+  schedule.fsched       the static plan (tasks, events, queues)              [--emit all]
+  verify.txt            the memory-order verifier report                     [--emit all]
+  trace.json            predicted timeline (Perfetto / chrome://tracing)     [--emit all]
+  tasks.dot             the fused task graph (Graphviz)                      [--emit all]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fusec.config import Options
+from fusec.ir.printer import print_graph
+from fusec.ir.verify import verify_graph
+from fusec.loader import load_graph
+from fusec.outputs import write_text
+from fusec.stats import format_summary, graph_stats
+
+
+@dataclass
+class CompileResult:
+    summary: str
+    written: list[Path] = field(default_factory=list)
+    program: object = None
+
+
+def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", ranks=1, batch=1,
+                   max_len=4096, passes="default", print_ir_after_all=False, dump_dir=None,
+                   aot=False) -> CompileResult:
+    graph, _ = load_graph(model, config, overrides)
+    verify_graph(graph)
+    out = Path(out) if out else Path("out") / graph.name
+    res = CompileResult(format_summary(graph, graph_stats(graph, {"B": 1, "L": max_len}), max_len))
+    res.written.append(write_text(out / f"{graph.name}.fir", print_graph(graph)))
+    res.written.append(write_text(out / "summary.txt", res.summary + "\n"))
+    if emit == "fir":
+        return res
+    prog = lower(graph, Options.from_env(ranks=ranks, batch=batch, max_len=max_len,
+                                         print_ir_after_all=print_ir_after_all, dump_dir=dump_dir), passes)
+    res.program = prog
+    res.written += write_schedule_outputs(prog, out)
+    res.summary += "\n" + schedule_summary(prog)
+    if emit == "cute":
+        from fusec.backends.cute.emit import emit_cute
+        res.written += emit_cute(prog, out, aot=aot)
+    return res
+
+
+def lower(graph, opts: Options, passes: str = "default"):
+    """Run the pipeline on a copy of `graph`; dumps every stage when asked."""
+    from fusec.passes.manager import Program, parse_pipeline, run_pipeline
+    names = parse_pipeline(passes)
+    prog = Program(graph.copy(), opts)
+
+    def on_stage(name, p):
+        text = stage_text(p)
+        if opts.print_ir_after_all:
+            print(f"// ----- after {name} -----\n{text}")
+        if opts.dump_dir:
+            idx = names.index(name)
+            ext = "fsched" if p.schedule is not None and p.notes.get("scheduled") else "fir"
+            write_text(Path(opts.dump_dir) / f"{idx:02d}-{name}.{ext}", text)
+
+    return run_pipeline(prog, names, on_stage)
+
+
+def stage_text(prog) -> str:
+    if prog.schedule is not None and prog.notes.get("scheduled"):
+        from fusec.ir.schedule_text import print_schedule
+        return print_schedule(prog.schedule)
+    return print_graph(prog.graph)
+
+
+def write_schedule_outputs(prog, out: Path) -> list[Path]:
+    written = [write_text(out / "lowered.fir", print_graph(prog.graph))]
+    if prog.schedule is None:
+        return written
+    from fusec.ir.schedule_text import print_schedule
+    from fusec.passes.memory_order import check_schedule
+    from fusec.trace import task_graph_dot, trace_json
+    written.append(write_text(out / "schedule.fsched", print_schedule(prog.schedule)))
+    report = check_schedule(prog.schedule)
+    written.append(write_text(out / "verify.txt", report.format() + "\n"))
+    written.append(write_text(out / "trace.json", trace_json(prog.schedule)))
+    written.append(write_text(out / "tasks.dot", task_graph_dot(prog.schedule)))
+    return written
+
+
+def schedule_summary(prog) -> str:
+    s = prog.schedule
+    if s is None:
+        return "no schedule (pipeline stopped before `schedule`)"
+    from fusec.cost import step_time_us
+    t = step_time_us(s)
+    return (f"schedule: {len(s.tasks)} tasks, {len(s.events)} events, {s.ranks} rank(s) x {s.sms} SMs; "
+            f"predicted step {t:.1f} us ({1e6 / t:.1f} tok/s per sequence)")
+
+
+def verify_file(path) -> tuple[bool, str]:
+    from fusec.ir.schedule_text import parse_schedule_file
+    from fusec.passes.memory_order import check_schedule
+    rep = check_schedule(parse_schedule_file(path))
+    return rep.ok, rep.format()

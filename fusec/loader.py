@@ -1,0 +1,86 @@
+"""Find a model's graph from what a user names: a model file (`models/kimi_k3.py`), a `.fir`
+file, or a module name (`kimi_k3`). A model module defines `build_graph(config, **overrides)`."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from fusec.ir.graph import Graph
+from fusec.ir.parser import parse_fir_file
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded (missing file, no graph declared, bad config)."""
+
+
+def load_module(spec: str) -> ModuleType:
+    path = Path(spec)
+    if path.suffix == ".py":
+        if not path.is_file():
+            raise ModelError(f"{spec}: no such model file")
+        # Prefer the packaged module of the same name so both spellings share one module object.
+        pkg = f"fusec.models.{path.stem}"
+        try:
+            mod = importlib.import_module(pkg)
+            if Path(mod.__file__).resolve() == path.resolve():
+                return mod
+        except ImportError:
+            pass
+        name = f"fusec_user_model_{path.stem}"
+        sp = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(sp)
+        sys.modules[name] = mod
+        try:
+            sp.loader.exec_module(mod)
+        except Exception as e:  # a user's model file may fail in any way: report it in one line
+            raise ModelError(f"{spec}: failed to import: {type(e).__name__}: {e}") from None
+        return mod
+    try:
+        return importlib.import_module(f"fusec.models.{spec}")
+    except ModuleNotFoundError:
+        raise ModelError(f"{spec}: not a model file, .fir file or known model name") from None
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """`key=value` strings; values are parsed as int, float, bool or a string."""
+    out = {}
+    for it in items or []:
+        if "=" not in it:
+            raise ModelError(f"--set expects key=value, got '{it}'")
+        k, v = it.split("=", 1)
+        for conv in (int, float):
+            try:
+                out[k] = conv(v)
+                break
+            except ValueError:
+                continue
+        else:
+            out[k] = {"true": True, "false": False}.get(v.lower(), v)
+    return out
+
+
+def load_graph(spec, config: str | None = None, overrides: dict | None = None) -> tuple[Graph, ModuleType | None]:
+    """(graph, model module or None for .fir files and Graph objects)."""
+    if isinstance(spec, Graph):
+        return spec, None
+    spec = str(spec)
+    if spec.endswith(".fir"):
+        if not Path(spec).is_file():
+            raise ModelError(f"{spec}: no such file")
+        if config or overrides:
+            raise ModelError(f"{spec}: a .fir file has no configs; --config/--set apply to model files")
+        return parse_fir_file(spec), None
+    mod = load_module(spec)
+    build = getattr(mod, "build_graph", None)
+    if not callable(build):
+        raise ModelError(f"{spec}: declares no graph (expected a function build_graph(config, **overrides))")
+    try:
+        g = build(config or getattr(mod, "DEFAULT_CONFIG", None), **(overrides or {}))
+    except (ValueError, TypeError) as e:
+        raise ModelError(f"{spec}: {e}") from None
+    if not isinstance(g, Graph):
+        raise ModelError(f"{spec}: build_graph returned {type(g).__name__}, not a Graph")
+    return g, mod
