@@ -1,0 +1,86 @@
+"""GPU tests of the CuTe megakernel (marked gpu; skipped without CUDA or nvidia-cutlass-dsl).
+
+Small shapes: correctness of each body vs torch, a dependent chain over consecutive steps with
+monotonic counters, and the bounded wait. Timing lives in benchmarks/gemv_megakernel.py.
+"""
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl==4.8.1 not installed")
+
+from fusec.backends.cute import workloads as wl  # noqa: E402
+from fusec.backends.cute.plan import KernelPlan, Opcode, round_robin_queues  # noqa: E402
+from fusec.backends.cute.runtime import Megakernel, MegakernelTimeout  # noqa: E402
+
+BF = torch.bfloat16
+
+
+def _rand(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(BF)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_gemv_bodies_and_chain(batch):
+    w, x, y = _rand(300, 1280, scale=0.05), _rand(batch, 1280), torch.empty(batch, 304, device="cuda", dtype=BF)
+    wq, sc = wl.random_mxfp4(200, 1024, "cuda")
+    x2, y2 = _rand(batch, 1024), torch.empty(batch, 200, device="cuda", dtype=BF)
+    wa, h, hn = _rand(512, 1024, scale=0.05), torch.empty(batch, 512, device="cuda", dtype=BF), \
+        torch.empty(batch, 512, device="cuda", dtype=BF)
+    gamma, wc = _rand(512), _rand(256, 512, scale=0.05)
+    yc = torch.empty(batch, 256, device="cuda", dtype=BF)
+    tasks = wl.gemv_tasks(w, x, y[:, :300], 7, 0)
+    tasks += wl.gemv_tasks(wq, x2, y2, 5, 100, opcode=Opcode.GEMV_MXFP4, scales=sc)
+    tasks += wl.gemv_tasks(wa, x2, h, 8, 200, signal=0)
+    tasks.append(wl.rmsnorm_task(h, gamma, hn, 1e-6, 300, wait=(0, 8, 0), signal=1))
+    tasks += wl.gemv_tasks(wc, hn, yc, 6, 400, wait=(1, 1, 0))
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=2,
+                      batch=batch, threads=256, rows_per_warp=2, name=f"t_b{batch}")
+    rt = Megakernel(plan)
+    for step in (1, 2):
+        x.copy_(_rand(batch, 1280))
+        x2.copy_(_rand(batch, 1024))
+        for t in (y, y2, h, hn, yc):
+            t.fill_(float("nan"))
+        rt.step()
+        rt.check()
+        assert wl.rel_err(y[:, :300], x.float() @ w.float().T) < 2e-2
+        assert wl.rel_err(y2, x2.float() @ wl.dequant_mxfp4(wq, sc).T) < 2e-2
+        h_ref = (x2.float() @ wa.float().T).to(BF)
+        hn_ref = wl.rmsnorm_ref(h_ref, gamma, 1e-6).to(BF)
+        assert wl.rel_err(hn, hn_ref) < 2e-2
+        assert wl.rel_err(yc, hn_ref.float() @ wc.float().T) < 2e-2
+        assert rt.events.tolist() == [8 * step, step]
+
+
+def test_missing_signal_raises():
+    x, w = _rand(1, 256), _rand(8, 256)
+    y = torch.empty(1, 8, device="cuda", dtype=BF)
+    tasks = wl.gemv_tasks(w, x, y, 1, 7, wait=(1, 1, 0))
+    plan = KernelPlan(tasks=tuple(tasks), queues=((0,), ()), num_events=2, threads=128,
+                      spin_timeout_ns=50_000_000, name="t_dead")
+    rt = Megakernel(plan)
+    rt.step()
+    with pytest.raises(MegakernelTimeout, match="task 7 .* event 1 for counter >= 1 but saw 0"):
+        rt.check()
+
+
+def test_graph_replay_advances_steps():
+    x, w = _rand(1, 512), _rand(64, 512, scale=0.05)
+    y = torch.empty(1, 64, device="cuda", dtype=BF)
+    tasks = wl.gemv_tasks(w, x, y, 4, 0, signal=0)
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(4, 4), num_events=1,
+                      threads=128, name="t_graph")
+    rt = Megakernel(plan)
+    g = rt.capture_graph()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    rt.check()
+    assert rt.step_buf.item() == 3 and rt.events.item() == 12
+    assert wl.rel_err(y, x.float() @ w.float().T) < 2e-2
+    assert dataclasses.replace(plan).num_ctas == 4
