@@ -63,6 +63,10 @@ class Graph:
         self.ops: list[Op] = []
         self.outputs: list[Value] = []
         self.updates: dict[str, Value] = {}  # state parameter name -> value holding its new content
+        # Optional per-parameter annotations, printed after the param's type (`{split = [0], ranks = 2}`):
+        # how a loader builds this parameter from the full checkpoint (sources, per-rank slicing).
+        # Their meaning is documented in docs/passes.md (fusec.backends.reference.ranks applies them).
+        self.param_attrs: dict[str, dict[str, Any]] = {}
         self._names: dict[str, Value] = {}
 
     # -- construction -------------------------------------------------------------------------
@@ -174,4 +178,5 @@ class Graph:
             g.ops.append(new)
         g.outputs = [m[v.name] for v in self.outputs]
         g.updates = {k: m[v.name] for k, v in self.updates.items()}
+        g.param_attrs = {k: dict(v) for k, v in self.param_attrs.items()}
         return g

@@ -38,7 +38,10 @@ def parse_fir(text: str, filename: str = "<string>") -> Graph:
     try:
         tree = _lark().parse(text)
     except UnexpectedToken as e:
-        got = "end of file" if e.token.type == "$END" else repr(str(e.token))
+        if e.token.type == "$END":
+            raise FirSyntaxError(f"{filename}:{e.line}:{e.column}: unexpected end of file "
+                                 f"(is a closing '}}' missing?)") from None
+        got = repr(str(e.token))
         raise FirSyntaxError(f"{filename}:{e.line}:{e.column}: expected {_expected(e.expected)}, got {got}") from None
     except UnexpectedCharacters as e:
         raise FirSyntaxError(f"{filename}:{e.line}:{e.column}: unexpected character {text[e.pos_in_stream]!r}") from None
@@ -103,8 +106,18 @@ class _Builder:
         return TensorType(tuple(shape), dtype, kind)
 
     def param(self, t: Tree):
-        kind, var, ty = t.children
-        self.g.param(str(var)[1:], self.type(ty, Kind(str(kind))))
+        kind, var, ty, *ann = t.children
+        name = str(var)[1:]
+        self.g.param(name, self.type(ty, Kind(str(kind))))
+        if ann:
+            attrs = {}
+            for a in ann[0].children:
+                key = str(a.children[0])
+                if key in attrs:
+                    raise self.err(a.meta, f"attribute '{key}' given twice")
+                attrs[key] = self.value(a.children[1])
+            if attrs:
+                self.g.param_attrs[name] = attrs
 
     def value(self, t):
         if isinstance(t, Token):

@@ -36,7 +36,9 @@ def format_attrs(opname: str, attrs: dict) -> str:
 def print_graph(g: Graph) -> str:
     lines = [f"graph {g.name} ({', '.join(g.dims)}) {{"]
     for v in g.params:
-        lines.append(f"  {v.kind.value} %{v.name} : {format_type(v.type)}")
+        pa = g.param_attrs.get(v.name)
+        ann = (" {" + ", ".join(f"{k} = {format_value(x)}" for k, x in pa.items()) + "}") if pa else ""
+        lines.append(f"  {v.kind.value} %{v.name} : {format_type(v.type)}{ann}")
     for op in g.ops:
         res = ", ".join(f"%{v.name} : {format_type(v.type)}" for v in op.outputs)
         args = ", ".join(f"%{v.name}" for v in op.inputs)

@@ -5,12 +5,29 @@ Semantics are per rank (what this rank's output holds); the multi-rank reference
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 from ..registry import Attr, AttrKind, OpDef, Trait, act, register
 from ..types import DType
 from ._util import need
 
 A = AttrKind
 COMM = frozenset({Trait.collective})
+
+# The rank whose view a per-rank reference op computes. It is a property of the executor, not of
+# the graph (SPMD: every rank runs the same graph); the multi-rank executor sets it around each
+# rank's ops, a single-rank run leaves it at 0. Read by `rank_slice` and the expert-parallel MoE ops.
+CURRENT_RANK: contextvars.ContextVar[int] = contextvars.ContextVar("fusec_rank", default=0)
+
+
+@contextlib.contextmanager
+def as_rank(rank: int):
+    tok = CURRENT_RANK.set(rank)
+    try:
+        yield
+    finally:
+        CURRENT_RANK.reset(tok)
 
 
 def _same(ts, at):
@@ -68,3 +85,14 @@ def _combine_infer(ts, at):
 register(OpDef("all_to_all_combine", ("y", "ids"), ("back",), _combine_infer, lambda a, at: [a[0].float()],
                attrs={**RANKS, "experts": Attr(A.int)}, traits=COMM, addressed_by={0: 1},
                doc="return each expert output row to the rank that owns its token"))
+
+
+def _rank_slice_ref(a, at):
+    x, r = a[0], at["ranks"]
+    n = x.shape[at["dim"]] // r
+    return [x.float().narrow(at["dim"], CURRENT_RANK.get() * n, n)]
+
+
+register(OpDef("rank_slice", ("x",), ("y",), _scatter_infer, _rank_slice_ref,
+               attrs={**RANKS, "dim": Attr(A.int, -1)}, traits=frozenset({Trait.elementwise}),
+               doc="this rank's slice of a replicated value along dim (no data moves)"))

@@ -7,6 +7,7 @@ import torch
 from ..registry import Attr, AttrKind, Cost, OpDef, Trait, act, register
 from ..types import DType
 from ._util import f32, need, need_dim, need_dtype, need_rank
+from .comm import CURRENT_RANK
 from .core import situ_glu_math
 
 A = AttrKind
@@ -60,11 +61,26 @@ def _gate_up_infer(ts, at):
     return [act((x.shape[0], ids.shape[1], w1.shape[1]), DType.bf16)]
 
 
+def _local_ids(ids, n_local: int, at):
+    """Expert parallel (`ep_ranks` > 1): this rank holds experts [r*n_local, (r+1)*n_local); global
+    ids map to local rows, ids owned by other ranks to -1 (their rows stay zero here)."""
+    ids = ids.long()
+    if at["ep_ranks"] == 1:
+        return ids
+    local = ids - CURRENT_RANK.get() * n_local
+    return torch.where((local >= 0) & (local < n_local), local, torch.full_like(local, -1))
+
+
+EP = {"ep_ranks": Attr(A.int, 1)}
+
+
 def _gate_up_ref(a, at):
     x, ids, w1, w3 = a
-    ids = ids.long()
+    ids = _local_ids(ids, w1.shape[0], at)
     out = []
     for e in ids.unique().tolist():   # each selected expert's weights, read once
+        if e < 0:
+            continue
         sel = ids == e
         b = sel.nonzero()[:, 0]
         xe = f32(x)[b]
@@ -75,7 +91,7 @@ def _gate_up_ref(a, at):
     return [h]
 
 
-register(OpDef("moe_gate_up", ("x", "ids", "w1", "w3"), ("h",), _gate_up_infer, _gate_up_ref,
+register(OpDef("moe_gate_up", ("x", "ids", "w1", "w3"), ("h",), _gate_up_infer, _gate_up_ref, attrs=EP,
                traits=frozenset({Trait.gemv}), addressed_by={2: 1, 3: 1},
                cost_fn=lambda i, o, at, d: _expert_cost(i, o, at, d, (2, 3)),
                doc="per selected expert: SiTU-GLU(x W1[e]^T, x W3[e]^T)"))
@@ -92,15 +108,17 @@ def _down_infer(ts, at):
 
 def _down_ref(a, at):
     h, ids, w2 = a
-    ids = ids.long()
+    ids = _local_ids(ids, w2.shape[0], at)
     y = torch.zeros((*ids.shape, w2.shape[1]), device=ids.device)
     for e in ids.unique().tolist():
+        if e < 0:
+            continue
         sel = ids == e
         y[sel] = f32(h)[sel] @ f32(w2[e]).T
     return [y]
 
 
-register(OpDef("moe_down", ("h", "ids", "w2"), ("y",), _down_infer, _down_ref,
+register(OpDef("moe_down", ("h", "ids", "w2"), ("y",), _down_infer, _down_ref, attrs=EP,
                traits=frozenset({Trait.gemv}), addressed_by={2: 1},
                cost_fn=lambda i, o, at, d: _expert_cost(i, o, at, d, (2,)),
                doc="per selected expert: y = h W2[e]^T (fp32 out)"))

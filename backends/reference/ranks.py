@@ -1,0 +1,159 @@
+"""Multi-rank reference executor: run an SPMD (sharded) graph on R simulated ranks in one process.
+
+Used to prove the shard pass correct: the same full checkpoint, sliced per rank exactly as the
+graph's parameter annotations say, must give the unsharded graph's outputs.
+
+Parameter annotations (printed after a param's type, see docs/passes.md):
+  sources = [a, b, ...]  the parameter is the concatenation along dim 0 of these full tensors
+                         (canonicalize's merged projections); absent: the parameter's own name
+  split   = [d, ...]     one per source: the dim of that source divided over the ranks (-1: kept
+                         whole on every rank)
+  split_len = [n, ...]   optional, one per source: only the first n entries of the split dim are
+                         divided (K3's A_log stores 128 floats of which the first `heads` are used)
+  ranks   = R            how many ranks the split is over
+`materialize_weights` and `shard_state` apply them; a checkpoint loader does the same.
+
+`run_step_ranks` evaluates ops in program order on every rank in lockstep: a non-collective op
+runs its registry reference once per rank (with `as_rank(r)` so rank-dependent ops see their
+rank), a collective op is evaluated across all ranks' operands at once.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from fusec.ir.graph import Graph
+from fusec.ir.ops.comm import as_rank
+from fusec.ir.quant import MXFP4Tensor
+from fusec.ir.registry import Trait
+from fusec.ir.types import Kind
+
+from .executor import ExecError, prepare_weights, store, torch_dtype
+
+
+def _narrow(t, dim: int, start: int, n: int):
+    if isinstance(t, MXFP4Tensor):
+        if dim % len(t.shape) == len(t.shape) - 1:
+            raise ExecError("cannot split an mxfp4 tensor along its packed (last) dim")
+        return MXFP4Tensor(t.packed.narrow(dim, start, n), t.scale.narrow(dim, start, n))
+    return t.narrow(dim, start, n)
+
+
+def _cat0(parts):
+    if len(parts) == 1:
+        return parts[0]
+    if any(isinstance(p, MXFP4Tensor) for p in parts):
+        return MXFP4Tensor(torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts]))
+    return torch.cat(parts, 0)
+
+
+def _slice_for_rank(t, dim: int, length: int, rank: int, ranks: int, what: str):
+    if dim < 0 or ranks == 1:
+        return t
+    n = length or t.shape[dim]
+    if n % ranks:
+        raise ExecError(f"{what}: dim {dim} of length {n} does not split over {ranks} ranks")
+    step = n // ranks
+    return _narrow(t, dim, rank * step, step)
+
+
+def param_for_rank(graph: Graph, name: str, full: Mapping, rank: int):
+    """Build parameter `name` of `graph` for `rank` from full (unsharded, unmerged) tensors."""
+    ann = graph.param_attrs.get(name, {})
+    sources = list(ann.get("sources", (name,)))
+    splits = list(ann.get("split", (-1,) * len(sources)))
+    lens = list(ann.get("split_len", (0,) * len(sources)))
+    ranks = int(ann.get("ranks", 1))
+    if not (len(splits) == len(sources) == len(lens)):
+        raise ExecError(f"parameter {name}: sources, split and split_len must have one entry per source")
+    parts = []
+    for src, d, n in zip(sources, splits, lens):
+        if src not in full:
+            raise ExecError(f"parameter {name}: missing full tensor {src}")
+        parts.append(_slice_for_rank(full[src], d, n, rank, ranks, f"parameter {name} source {src}"))
+    return _cat0(parts)
+
+
+def materialize_weights(graph: Graph, full: Mapping, rank: int = 0, precision: str = "fp32") -> dict:
+    """Every weight of `graph` for `rank`, built from the full checkpoint tensors and cast."""
+    raw = {v.name: param_for_rank(graph, v.name, full, rank) for v in graph.weights()}
+    return prepare_weights(graph, raw, precision)
+
+
+def shard_state(graph: Graph, full_state: Mapping, rank: int) -> dict:
+    """Each state parameter's slice for `rank` (state annotations use the same `split` rule)."""
+    return {v.name: param_for_rank(graph, v.name, full_state, rank).clone() for v in graph.states()}
+
+
+def gather_state(graph: Graph, per_rank: list[dict]) -> dict:
+    """Inverse of `shard_state` for split (not merged) states: the full state after a step."""
+    out = {}
+    for v in graph.states():
+        ann = graph.param_attrs.get(v.name, {})
+        d = list(ann.get("split", (-1,)))[0]
+        out[v.name] = per_rank[0][v.name] if d < 0 or len(per_rank) == 1 else \
+            torch.cat([s[v.name] for s in per_rank], d)
+    return out
+
+
+# -- collectives across ranks ---------------------------------------------------------------------
+def _collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.Tensor]:
+    """Per-rank results of one collective given every rank's operand."""
+    r = len(xs)
+    if attrs.get("ranks", r) != r:
+        raise ExecError(f"{opname} is over {attrs['ranks']} ranks but the executor runs {r}")
+    xs = [x.float() for x in xs]
+    if opname == "all_reduce":
+        s = torch.stack(xs).sum(0)
+        return [s.clone() for _ in range(r)]
+    if opname == "reduce_scatter":
+        s = torch.stack(xs).sum(0)
+        return list(s.chunk(r, attrs["dim"]))
+    if opname == "all_gather":
+        cat = torch.cat(xs, attrs["dim"])
+        return [cat.clone() for _ in range(r)]
+    raise ExecError(f"the multi-rank reference executor does not implement collective {opname}")
+
+
+def run_step_ranks(graph: Graph, full_weights: Mapping, ranks: int, full_state: dict,
+                   inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
+                   precision: str = "fp32") -> tuple[list[list[torch.Tensor]], dict]:
+    """One decode step of the SPMD graph on `ranks` simulated ranks.
+
+    `full_weights` and `full_state` are unsharded (keyed by the full names the annotations cite);
+    returns (outputs of every rank, the full state after the step, gathered from the ranks).
+    `full_state` is not mutated.
+    """
+    weights = [materialize_weights(graph, full_weights, r, precision) for r in range(ranks)]
+    states = [shard_state(graph, full_state, r) for r in range(ranks)]
+    envs: list[dict] = [{} for _ in range(ranks)]
+    for r in range(ranks):
+        for v in graph.params:
+            if v.kind is Kind.weight:
+                envs[r][v.name] = weights[r][v.name]
+            elif v.kind is Kind.state:
+                envs[r][v.name] = states[r][v.name].to(torch_dtype(v.type.dtype, precision))
+            elif v.kind is Kind.io:
+                if v.name not in inputs:
+                    raise ExecError(f"missing input {v.name}")
+                envs[r][v.name] = inputs[v.name].to(torch_dtype(v.type.dtype, precision))
+    for op in graph.ops:
+        if Trait.collective in op.opdef.traits:
+            if len(op.inputs) != 1:
+                raise ExecError(f"the multi-rank executor only runs single-operand collectives, not {op.opname}")
+            outs = _collective(op.opname, [envs[r][op.inputs[0].name] for r in range(ranks)], op.attrs)
+            for r in range(ranks):
+                envs[r][op.outputs[0].name] = store(outs[r], op.outputs[0].type, precision)
+            continue
+        for r in range(ranks):
+            with as_rank(r):
+                outs = op.opdef.ref([envs[r][v.name] for v in op.inputs], op.attrs)
+            for v, t in zip(op.outputs, outs):
+                envs[r][v.name] = store(t, v.type, precision)
+    new_states = [{name: envs[r][v.name] for name, v in graph.updates.items()} for r in range(ranks)]
+    for r in range(ranks):
+        for v in graph.states():
+            new_states[r].setdefault(v.name, states[r][v.name])
+    outputs = [[envs[r][v.name] for v in graph.outputs] for r in range(ranks)]
+    return outputs, gather_state(graph, new_states)
