@@ -1,0 +1,21 @@
+"""Golden snapshots (syrupy): the canonical .fir of K3 tiny and slice4 and the compile summary
+of full K3. They change only with `pytest --snapshot-update`, reviewed as a diff."""
+from fusec.cli import main
+from fusec.ir.printer import print_graph
+from fusec.models import kimi_k3
+
+
+def test_k3_tiny_fir(snapshot):
+    assert print_graph(kimi_k3.build_graph("tiny")) == snapshot
+
+
+def test_k3_slice4_fir(snapshot):
+    assert print_graph(kimi_k3.build_graph("slice4")) == snapshot
+
+
+def test_k3_full_compile_summary(snapshot, tmp_path, capsys):
+    assert main(["compile", "models/kimi_k3.py", "--emit", "fir", "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    # keep only the stable part: drop the lines naming the temporary folder and the time taken
+    summary = "\n".join(l for l in out.splitlines() if not l.startswith(("wrote ", "done in ")))
+    assert summary == snapshot
