@@ -229,31 +229,22 @@ def load_checkpoint(graph: Graph, path, model_module, device="cpu") -> dict:
 
 
 def _read(graph: Graph, srcs: list[Source], wmap, handle, device) -> dict:
-    """Read the validated tensors; expert stacks are filled slot by slot (no second copy)."""
-    out: dict = {}
-    for v in graph.weights():
-        if v.type.dtype is DType.mxfp4:
-            out[v.name] = None   # filled below: packed and scale buffers
-    stacks: dict[tuple[str, Part], torch.Tensor] = {}
-    n_exp = {v.name: v.type.shape[0] for v in graph.weights() if v.type.rank == 3}
+    """Read the validated tensors; expert stacks are filled slot by slot (no second full copy)."""
+    parts: dict[str, dict[Part, torch.Tensor]] = {}
+    n_exp = {v.name: v.type.shape[0] for v in graph.weights()}
     for s in srcs:
         t = handle(wmap[s.name]).get_tensor(s.name)
+        slot = parts.setdefault(s.weight, {})
         if s.expert is None:
-            if s.part is Part.whole:
-                out[s.weight] = t
-            else:
-                stacks[(s.weight, s.part)] = t
+            slot[s.part] = t
             continue
-        key = (s.weight, s.part)
-        if key not in stacks:
-            stacks[key] = torch.empty((n_exp[s.weight], *s.shape), dtype=TORCH_DTYPES[s.dtype], device=device)
-        stacks[key][s.expert].copy_(t)
-    for (w, part), t in stacks.items():
-        if part is Part.whole:
-            out[w] = t
+        if s.part not in slot:
+            slot[s.part] = torch.empty((n_exp[s.weight], *s.shape), dtype=TORCH_DTYPES[s.dtype], device=device)
+        slot[s.part][s.expert].copy_(t)
+    out = {}
     for v in graph.weights():
-        if v.type.dtype is DType.mxfp4:
-            out[v.name] = MXFP4Tensor(stacks[(v.name, Part.packed)], stacks[(v.name, Part.scale)])
+        p = parts[v.name]
+        out[v.name] = MXFP4Tensor(p[Part.packed], p[Part.scale]) if v.type.dtype is DType.mxfp4 else p[Part.whole]
     return out
 
 
@@ -264,10 +255,10 @@ def _tensor_of(s: Source, w) -> torch.Tensor:
         t = w.packed if s.part is Part.packed else w.scale
     else:
         t = w
-    if s.expert is not None:
-        t = t[s.expert]
-    # clone: safetensors refuses tensors sharing storage (expert slices of one stack do)
-    return t.detach().to("cpu").contiguous().clone() if s.expert is not None else t.detach().to("cpu").contiguous()
+    t = t.detach().to("cpu")
+    if s.expert is not None:   # clone: safetensors refuses tensors sharing storage (slices of one stack do)
+        return t[s.expert].clone()
+    return t.contiguous()
 
 
 def _check_weights(weights, graph: Graph) -> None:

@@ -213,6 +213,13 @@ def test_index_names_a_shard_without_the_tensor(tiny, tmp_path):
     assert load_error(g, p).endswith(f"index puts tensor {name} in {other}, which does not hold it")
 
 
+def test_corrupt_shard(tiny, tmp_path):
+    g = tiny[0]
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
+    p = variant(tiny, tmp_path, edit_map=lambda wm: wm.update({"language_model.model.norm.weight": "junk.safetensors"}))
+    assert "junk.safetensors: not a safetensors file (" in load_error(g, p)
+
+
 @pytest.mark.parametrize("text, why", [
     ('{"weight_map": {"a": ', "malformed index json: Expecting value at line 1 col 22"),
     ('{"metadata": {}}', "malformed index: no 'weight_map' object"),
@@ -232,6 +239,16 @@ def test_several_problems_in_one_line(tiny, tmp_path):
     p = variant(tiny, tmp_path, edit_map=lambda wm: [wm.pop(n) for n in list(wm) if n.endswith("o_proj.weight")])
     # 9 layers, each with an o_proj: the first is named, the other 8 counted
     assert load_error(g, p).endswith("needed by graph weight layers.0.self_attn.o_proj.weight (and 8 more problems)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_load_to_gpu(tiny):
+    g, w, folder, _ = tiny
+    got = load_checkpoint(g, folder, kimi_k3, device="cuda")
+    x = got["layers.2.block_sparse_moe.experts.w3"]
+    assert x.packed.is_cuda and x.scale.is_cuda and got["embed_tokens.weight"].is_cuda
+    assert_same_weights({k: v.to("cpu") for k, v in got.items()}, w)
 
 
 # -- the full K3 layout, from the spec table, without materialising a tensor -------------------------
