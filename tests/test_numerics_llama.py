@@ -1,0 +1,77 @@
+"""The reference executor's Llama decode step (models/llama.py) against an independent plain-torch
+Llama (tests/independent/llama_torch.py), and the 1B config's size against the HF config numbers."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from independent.llama_torch import LlamaDecoder  # noqa: E402
+
+from fusec.backends.reference.executor import init_state, prepare_weights, run_step  # noqa: E402
+from fusec.models import llama  # noqa: E402
+from fusec.weights import random_weights  # noqa: E402
+
+BATCH, STEPS, CACHE = 3, 8, 16
+TOL = 1e-5
+
+
+def rel_err(a, b):
+    """max|a - b| / max|b| (b is the oracle)."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("offsets,overrides", [
+    ((0, 0, 0), {}),                                              # tied head, positions 0..7 for all
+    ((0, 3, 7), {"tie_embeddings": False}),                       # staggered positions, separate lm_head
+    ((2, 0, 5), {"rope_factor": 1.0, "rope_original_max_pos": 4}),  # plain RoPE
+])
+def test_llama_fp32_matches_independent(offsets, overrides):
+    g = llama.build_graph("tiny", **overrides)
+    cfg = llama.get_config("tiny", **overrides)
+    raw = random_weights(g, 3, llama.WEIGHT_INIT)
+    weights = prepare_weights(g, raw, "fp32")
+    state = init_state(g, {"B": BATCH, "L": CACHE}, precision="fp32")
+    oracle = LlamaDecoder(cfg, {llama.checkpoint_name(n): t for n, t in raw.items()}, BATCH, CACHE)
+    gen = torch.Generator().manual_seed(7)
+    off = torch.tensor(offsets, dtype=torch.int32)
+    for t in range(STEPS):
+        tokens = torch.randint(0, cfg.vocab, (BATCH,), generator=gen, dtype=torch.int32)
+        pos = off + t
+        logits, nxt = run_step(g, weights, state, {"tokens": tokens, "pos": pos}, {"B": BATCH, "L": CACHE}, "fp32")
+        want = oracle.step(tokens, pos)
+        err = rel_err(logits, want)
+        assert err < TOL, f"step {t}: logits rel err {err:.3g}"
+        assert torch.equal(nxt.long(), want.argmax(-1)), f"step {t}: greedy tokens differ"
+
+
+def test_tied_embeddings_declare_one_weight():
+    names = {v.name for v in llama.build_graph("tiny").weights()}
+    assert "embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert "lm_head.weight" in {v.name for v in llama.build_graph("tiny", tie_embeddings=False).weights()}
+
+
+def test_checkpoint_names_are_hf_names():
+    assert llama.checkpoint_name("layers.3.self_attn.q_proj.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert llama.checkpoint_name("embed_tokens.weight") == "model.embed_tokens.weight"
+    assert llama.checkpoint_name("lm_head.weight") == "lm_head.weight"
+
+
+def test_llama_3_2_1b_parameter_count():
+    g = llama.build_graph("llama-3.2-1b")
+    from_graph = sum(math.prod(v.type.concrete({})) for v in g.weights())
+    # HF meta-llama/Llama-3.2-1B config.json: hidden 2048, intermediate 8192, 16 layers,
+    # 32 heads, 8 kv heads, head_dim 64, vocab 128256, tie_word_embeddings true.
+    hidden, inter, layers, heads, kv_heads, head_dim, vocab = 2048, 8192, 16, 32, 8, 64, 128256
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2      # q, o; k, v
+    mlp = 3 * hidden * inter
+    per_layer = attn + mlp + 2 * hidden                                          # two RMSNorms
+    expected = vocab * hidden + layers * per_layer + hidden                      # tied head; final norm
+    assert expected == 1_235_814_400                                             # the published 1.24 B
+    assert from_graph == expected
+    assert len(g.states()) == 2 * layers
+    assert g.value("layers.0.attn.k_cache").type.shape == ("B", "L", kv_heads * head_dim)
