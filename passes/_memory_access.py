@@ -1,0 +1,174 @@
+"""Access tables for the memory-order verifier: which buffer and version each LOAD/STORE
+touches, which stores overlap a load, and SPMD expansion of compact schedules.
+
+Buffers: a Region names an SSA value. A value that a registry op updates in place
+(`OpDef.aliases`) lives in the buffer of the operand it aliases, so a state and its per-step
+new values share one buffer; `version` counts in-place updates (the state parameter is version
+0 = the previous step's value). Buffers are per rank; a region's `rank` selects a peer's copy.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from fusec.ir import schedule as schedule_mod
+from fusec.ir.schedule import Event, InstrKind, Region, Schedule, Task
+from fusec.ir.types import Kind
+
+
+def region_str(r: Region | None, rank: int | None = None) -> str:
+    if r is None:
+        return ""
+    box = ", ".join(f"{a}:{b}" for a, b in r.box)
+    return f"%{r.tensor}[{box}]" + (f"@rank{rank}" if rank is not None else "")
+
+
+def expand_ranks(s: Schedule) -> Schedule:
+    """Every rank's tasks. A compact SPMD schedule (ranks > 1, only rank 0 stored) is expanded
+    by symmetry: rank r runs rank 0's tasks with every rank reference rotated by r."""
+    if s.ranks <= 1 or any(t.rank != 0 for t in s.tasks) or any(k[0] != 0 for k in s.queues):
+        return s
+    mat = getattr(schedule_mod, "materialize", None)
+    if mat is not None:
+        return mat(s)
+    R, n = s.ranks, len(s.tasks)
+    tasks, queues, events = [], {}, []
+    for r in range(R):
+        rot = (lambda x, r=r: None if x is None else (x + r) % R)
+        for t in s.tasks:
+            instrs = [replace(i, peer=rot(i.peer),
+                              region=None if i.region is None else replace(i.region, rank=rot(i.region.rank)))
+                      for i in t.instrs]
+            tasks.append(Task(t.id + r * n, r, t.sm, t.body_kind, t.ops, t.tile, instrs, t.cost_us))
+        for (_, sm), ids in s.queues.items():
+            queues[(r, sm)] = [i + r * n for i in ids]
+        events += [Event(e.id, r, e.name, e.per_step) for e in s.events]
+    return Schedule(s.graph, s.dims, R, s.sms, tasks, events, queues, dict(s.meta))
+
+
+class BufferMap:
+    """value name -> (buffer root name, version, kind of the root)."""
+
+    def __init__(self, graph):
+        self.root: dict[str, tuple[str, int]] = {v.name: (v.name, 0) for v in graph.params}
+        self.kind = {v.name: v.kind for v in graph.params}
+        self.inputs = {v.name for v in graph.params if v.kind is Kind.io}
+        for op in graph.ops:
+            al = op.opdef.aliases
+            for k, v in enumerate(op.outputs):
+                if k in al:
+                    b, ver = self.root[op.inputs[al[k]].name]
+                    self.root[v.name] = (b, ver + 1)
+                else:
+                    self.root[v.name] = (v.name, 0)
+                    self.kind[v.name] = v.kind
+
+
+@dataclass(eq=False)
+class Acc:
+    task: Task
+    idx: int
+    region: Region
+    rank: int          # whose copy
+    buf: str
+    version: int
+    kind: Kind
+    is_input: bool     # an io step input: present before the step
+    needs_producer: bool  # must be written in this step (not a state's previous value)
+
+    @property
+    def instr(self):
+        return self.task.instrs[self.idx]
+
+
+def _vol(box) -> int:
+    v = 1
+    for a, b in box:
+        v *= max(0, b - a)
+    return v
+
+
+def _inter(a, b) -> int:
+    v = 1
+    for (a0, a1), (b0, b1) in zip(a, b):
+        v *= max(0, min(a1, b1) - max(a0, b0))
+    return v
+
+
+class Access:
+    def __init__(self, s: Schedule, hb):
+        self.s, self.hb = s, hb
+        self.bm = BufferMap(s.graph)
+        self.loads: list[Acc] = []
+        self.stores: dict[tuple[int, str], list[Acc]] = defaultdict(list)
+        for t in s.tasks:
+            vcs = hb.vc.get(t.id)
+            if vcs is None:
+                continue
+            for k, i in enumerate(t.instrs):
+                if i.kind not in (InstrKind.LOAD, InstrKind.STORE) or vcs[k] is None:
+                    continue
+                buf, ver = self.bm.root[i.region.tensor]
+                kind = self.bm.kind[buf]
+                a = Acc(t, k, i.region, t.rank if i.region.rank is None else i.region.rank, buf, ver, kind,
+                        buf in self.bm.inputs and ver == 0, ver > 0 or kind in (Kind.act, Kind.comm))
+                (self.loads.append(a) if i.kind is InstrKind.LOAD else self.stores[(a.rank, buf)].append(a))
+        self._memo: dict = {}
+
+    def writers(self, ld: Acc):
+        """(stores of the version read, stores of later versions) overlapping the load."""
+        key = (ld.rank, ld.buf, ld.region.box, ld.version)
+        hit = self._memo.get(key)
+        if hit is None:
+            same, later = [], []
+            for st in self.stores.get((ld.rank, ld.buf), ()):
+                if st.region.overlaps(Region(st.region.tensor, ld.region.box)):
+                    (same if st.version == ld.version else later if st.version > ld.version else []).append(st)
+            hit = self._memo[key] = (same, later)
+        same, later = hit
+        own = ld.task.id
+        return ([st for st in same if st.task.id != own],
+                [st for st in later if st.task.id != own or st.idx < ld.idx])
+
+    def store_before_load(self, st: Acc, ld: Acc) -> bool:
+        if st.task.id == ld.task.id:
+            return st.idx < ld.idx
+        return self.hb.before(st.task.id, ld.task.id, ld.idx)
+
+    def covered(self, ld: Acc, same: list[Acc]) -> bool:
+        own = [st for st in self.stores.get((ld.rank, ld.buf), ())
+               if st.task.id == ld.task.id and st.idx < ld.idx and st.version == ld.version]
+        got = sum(_inter(st.region.box, ld.region.box) for st in same + own)
+        return got >= _vol(ld.region.box)
+
+    def writers_of(self, name: str, rank: int) -> list[Acc]:
+        buf, ver = self.bm.root[name]
+        return [st for st in self.stores.get((rank, buf), ()) if st.version == ver]
+
+    def after_rank(self, st: Acc, rank: int) -> bool:
+        """Does some task of `rank` happen before store `st` (so step k+1's `st` follows step k there)?"""
+        rows = [qi for qi, k in enumerate(self.hb.qkeys) if k[0] == rank]
+        return bool((self.hb.vc[st.task.id][st.idx][rows] >= 0).any())
+
+    def overlapping_store_pairs(self):
+        """Pairs of stores by different tasks that write overlapping parts of one buffer copy."""
+        for sts in self.stores.values():
+            if len(sts) < 2:
+                continue
+            nd = len(sts[0].region.box)
+            if nd == 0:
+                yield from ((a, b) for i, a in enumerate(sts) for b in sts[i + 1:] if a.task is not b.task)
+                continue
+            # sweep along the dim with the most distinct starts (tiles are split along it)
+            d = max(range(nd), key=lambda k: len({st.region.box[k][0] for st in sts}))
+            order = sorted(sts, key=lambda st: st.region.box[d][0])
+            active: list[Acc] = []
+            for b in order:
+                lo = b.region.box[d][0]
+                active = [a for a in active if a.region.box[d][1] > lo]
+                for a in active:
+                    if a.task is not b.task and a.region.overlaps(b.region):
+                        yield a, b
+                active.append(b)
