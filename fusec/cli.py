@@ -26,16 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="build, verify and lower a model; write .fir, schedule, report, trace")
     _add_model_args(c)
     c.add_argument("-o", "--out", default=None, help="output folder (default: out/<graph name>)")
-    c.add_argument("--emit", default="all", choices=["fir", "all", "cute"],
-                   help="fir: the canonical graph only; all: also schedule, verifier report, trace; "
-                        "cute: also the generated megakernel source and PTX")
+    c.add_argument("--emit", default="all", choices=["fir", "all"],
+                   help="fir: the canonical graph and summary only; all: also the lowered graph, "
+                        "schedule, verifier report, trace and task graph")
     c.add_argument("--ranks", type=int, default=1)
     c.add_argument("--batch", type=int, default=1)
     c.add_argument("--max-len", type=int, default=4096, help="cache capacity (binds L)")
     c.add_argument("--passes", default="default", help="pipeline name or comma list of passes")
     c.add_argument("--print-ir-after-all", action="store_true")
     c.add_argument("--dump-dir", help="write every stage as re-parsable text here")
-    c.add_argument("--aot", action="store_true", help="with --emit cute: also export the sm_90a object and header")
 
     r = sub.add_parser("run", help="generate tokens greedily")
     _add_model_args(r)
@@ -79,7 +78,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     res = compile_to_dir(args.model, args.config, parse_overrides(args.set), out=args.out, emit=args.emit,
                          ranks=args.ranks, batch=args.batch, max_len=args.max_len, passes=args.passes,
-                         print_ir_after_all=args.print_ir_after_all, dump_dir=args.dump_dir, aot=args.aot)
+                         print_ir_after_all=args.print_ir_after_all, dump_dir=args.dump_dir)
     print(res.summary)
     for p in res.written:
         print(f"wrote {p}")

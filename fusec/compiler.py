@@ -30,8 +30,7 @@ class CompileResult:
 
 
 def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", ranks=1, batch=1,
-                   max_len=4096, passes="default", print_ir_after_all=False, dump_dir=None,
-                   aot=False) -> CompileResult:
+                   max_len=4096, passes="default", print_ir_after_all=False, dump_dir=None) -> CompileResult:
     graph, _ = load_graph(model, config, overrides)
     verify_graph(graph)
     out = Path(out) if out else Path("out") / graph.name
@@ -45,9 +44,6 @@ def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", 
     res.program = prog
     res.written += write_schedule_outputs(prog, out)
     res.summary += "\n" + schedule_summary(prog)
-    if emit == "cute":
-        from fusec.backends.cute.emit import emit_cute
-        res.written += emit_cute(prog, out, aot=aot)
     return res
 
 
