@@ -309,19 +309,34 @@ LLAMA = pathlib.Path(__file__).resolve().parents[1] / "models" / "llama.py"
 
 
 @pytest.mark.skipif(not LLAMA.exists(), reason="models/llama.py is not written yet (another engineer's task)")
-def test_llama_hf_names_roundtrip(tmp_path):
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_hf_checkpoint(tmp_path, tied):
     from fusec.models import llama
-    g = llama.build_graph("tiny")
+    g = llama.build_graph("tiny", tie_embeddings=tied)
+    c = llama.get_config("tiny")
     w = random_weights(g, 0, getattr(llama, "WEIGHT_INIT", ()))
-    exp = expected_tensors(g, llama)
-    n_layers = len([n for n in exp if n.endswith(".input_layernorm.weight")])
-    assert n_layers > 0
-    hf = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    for i in range(n_layers):
+    # HF LlamaForCausalLM names, spelled out by hand -> graph weight (the model strips "model.")
+    hf = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
+    if not tied:
+        hf["lm_head.weight"] = "lm_head.weight"
+    for i in range(c.layers):
         p = f"model.layers.{i}."
-        hf |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        hf |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
-        hf |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-    assert set(exp) == hf
-    write_checkpoint(w, g, llama, tmp_path, shards=2)
+        names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        names += [f"self_attn.{x}_proj.weight" for x in "qkvo"] + [f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        hf.update({p + n: f"layers.{i}." + n for n in names})
+    assert set(expected_tensors(g, llama)) == set(hf)
+    assert expected_tensors(g, llama)["model.layers.1.self_attn.k_proj.weight"] == ((c.kv_heads * c.head_dim, c.hidden),
+                                                                                     DType.bf16)
+    # an HF checkpoint as transformers writes it (tied: lm_head.weight still stored as a copy)
+    files = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for j, (n, gw) in enumerate(hf.items()):
+        files[sorted(files)[j % 2]][n] = w[gw].clone()
+    if tied:
+        files["model-00002-of-00002.safetensors"]["lm_head.weight"] = w["embed_tokens.weight"].clone()
+    for f, d in files.items():
+        save_file(d, str(tmp_path / f))
+    (tmp_path / INDEX).write_text(json.dumps({"weight_map": {n: f for f, d in files.items() for n in d}}))
     assert_same_weights(load_checkpoint(g, tmp_path, llama), w)
+    out = tmp_path / "rewritten"
+    write_checkpoint(w, g, llama, out, shards=2)
+    assert_same_weights(load_checkpoint(g, out, llama), w)
