@@ -1,0 +1,446 @@
+"""shard: tensor parallel + expert parallel over R = prog.opts.ranks ranks (SPMD).
+
+One graph that every rank runs, with per-rank weight and state shards. The pass walks the ops in
+order and tracks each value's *layout* on the ranks:
+  FULL         every rank holds the whole value (replicated computation)
+  SPLIT(d)     rank r holds the r-th of R equal chunks of dim d
+  PARTIAL      the value is the sum over ranks of what each rank holds (row-parallel GEMV output)
+  EP           expert-parallel rows: each [token, slot] row lives on the rank owning its expert,
+               zeros on the others (so it is also a valid PARTIAL)
+  PARTS        a merged projection's output: each slice of it has its own layout
+An op either runs on the layouts it gets (its sharding rule) or its inputs are converted first:
+PARTIAL -> FULL `all_reduce`, PARTIAL -> SPLIT `reduce_scatter`, SPLIT -> FULL `all_gather`,
+FULL -> SPLIT `rank_slice` (local, no traffic). Conversions are memoised, so a value is
+all-gathered at most once. The plan per op is in docs/passes.md; in short: column-parallel
+projections split their output (heads for KDA/MLA/GQA), row-parallel o_proj/down_proj give
+PARTIAL sums, routed experts are split E/R per rank (`ep_ranks`), the combined latent is
+all-reduced before the latent RMSNorm, the latent up-projection is row-parallel and shares the
+shared expert's all-reduce, lm_head is vocab-parallel and its logits are all-gathered before argmax.
+
+Which linears are column/row parallel comes from `LINEAR_PLAN` (fnmatch on the weight's full
+name, first match wins; unmatched linears are replicated). Every other weight's slicing follows
+from the op that reads it. Each sharded parameter is annotated `{split = [...], ranks = R}` (and
+keeps canonicalize's `sources`) so a loader slices the full checkpoint tensor and the printed
+.fir re-parses. Replicated unmerged parameters carry no annotation.
+
+Requires: a verified graph, not yet sharded (no collectives); canonicalize's merged projections
+          only as `linear` -> `slice` of whole parts.
+Ensures:  R == 1: no change. R > 1: per-rank shapes; every graph output FULL; fusion groups that a
+          collective now cuts are split (the side without the anchor leaves the group, logged);
+          R must divide every split dim (heads, experts, vocab, widths) or the pass fails
+          naming the op and the dim.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+from fusec.config import log
+from fusec.ir.graph import Graph, Op, Value
+from fusec.ir.registry import Trait
+from fusec.ir.types import Kind
+from fusec.passes.manager import Program, register_pass
+
+COL, ROW, REP = "col", "row", "rep"
+LINEAR_PLAN: list[tuple[str, str]] = [
+    ("*.routed_expert_up_proj.weight", ROW),   # input is the (normalised) full latent; shares the
+    ("*.routed_expert_down_proj.weight", REP),  # shared expert's all_reduce. Latent: every rank
+    ("*.q_a_proj.weight", REP), ("*.kv_a_proj_with_mqa.weight", REP), ("*.f_a_proj.weight", REP),
+    ("*.q_proj.weight", COL), ("*.k_proj.weight", COL), ("*.v_proj.weight", COL),
+    ("*.g_proj.weight", COL), ("*.b_proj.weight", COL), ("*.f_b_proj.weight", COL),
+    ("*.q_b_proj.weight", COL), ("*.gate_proj.weight", COL), ("*.up_proj.weight", COL),
+    ("*.o_proj.weight", ROW), ("*.down_proj.weight", ROW),
+    ("lm_head.weight", COL),
+]
+FULL, PARTIAL, EP = ("full",), ("partial",), ("ep",)
+
+
+def SPLIT(d: int):
+    return ("split", d)
+
+
+class ShardError(ValueError):
+    pass
+
+
+@register_pass("shard")
+def run(prog: Program) -> bool:
+    R = prog.opts.ranks
+    if R == 1:
+        return False
+    if any(Trait.collective in op.opdef.traits for op in prog.graph.ops):
+        raise ShardError("shard: the graph already has collectives (sharded twice?)")
+    prog.graph = _Sharder(prog, R).run()
+    _split_cut_groups(prog)
+    prog.notes["ranks"] = R
+    return True
+
+
+def linear_plan(weight_name: str) -> str:
+    return next((p for pat, p in LINEAR_PLAN if fnmatch.fnmatchcase(weight_name, pat)), REP)
+
+
+class _Sharder:
+    def __init__(self, prog: Program, R: int):
+        self.prog, self.R, self.src = prog, R, prog.graph
+        self.g = Graph(self.src.name, self.src.dims)
+        self.m: dict[str, Value] = {}          # old value name -> new value
+        self.lay: dict[str, tuple] = {}        # new value name -> layout
+        self.conv: dict[tuple, Value] = {}     # (new value name, layout) -> converted value
+        self.spec: dict[str, dict] = {}        # param name -> annotation
+        self.group: str | None = None
+
+    # -- driver -----------------------------------------------------------------------------------
+    def run(self) -> Graph:
+        src = self.src
+        self.param_done: set[str] = set()
+        for v in src.params:
+            if v.kind is not Kind.weight and v.kind is not Kind.state:
+                self._declare(v, v.type.shape, {})
+        for op in src.ops:
+            self.group = op.group
+            rule = getattr(self, "_op_" + op.opname, None)
+            (rule or self._op_default)(op)
+        outs = [self.to(self.m[v.name], FULL) for v in src.outputs]
+        self.g.set_outputs(outs)
+        for name, v in src.updates.items():
+            self.g.updates[name] = self.m[v.name]
+        order = {v.name: i for i, v in enumerate(src.params)}
+        self.g.params.sort(key=lambda p: order[p.name])
+        return self.g
+
+    # -- parameters -------------------------------------------------------------------------------
+    def _declare(self, v: Value, shape, ann: dict) -> Value:
+        nv = self.g.param(v.name, v.type.with_shape(shape))
+        src_ann = dict(self.src.param_attrs.get(v.name, {}))
+        if ann:
+            src_ann.update(ann)
+            src_ann["ranks"] = self.R
+        if src_ann:
+            self.g.param_attrs[v.name] = src_ann
+        self.m[v.name] = nv
+        self.lay[nv.name] = FULL
+        self.param_done.add(v.name)
+        return nv
+
+    def param(self, v: Value, dim: int = -1, split_len: int = 0) -> Value:
+        """The new param for old param v, split along `dim` (-1: whole) on first use."""
+        if v.name in self.param_done:
+            nv = self.m[v.name]
+            want = self._split_of(v.name)
+            if want != (dim, split_len):
+                raise ShardError(f"shard: %{v.name} is read with two different splits {want} and {(dim, split_len)}")
+            return nv
+        if dim < 0:
+            return self._declare(v, v.type.shape, {})
+        shape = list(v.type.shape)
+        n = split_len or shape[dim]
+        self._need(n, f"dim {dim} of %{v.name}")
+        if split_len:
+            shape[dim] = split_len // self.R
+        else:
+            shape[dim] //= self.R
+        n_src = len(self.src.param_attrs.get(v.name, {}).get("sources", (v.name,)))
+        if n_src > 1:
+            raise ShardError(f"shard: merged %{v.name} must be split per source (a linear's weight)")
+        ann = {"split": (dim,)}
+        if split_len:
+            ann["split_len"] = (split_len,)
+        nv = self._declare(v, shape, ann)
+        self.lay[nv.name] = SPLIT(dim)
+        return nv
+
+    def _split_of(self, name: str):
+        a = self.g.param_attrs.get(name, {})
+        return (a.get("split", (-1,))[0], a.get("split_len", (0,))[0])
+
+    def _need(self, n, what: str) -> None:
+        if not isinstance(n, int) or n % self.R:
+            raise ShardError(f"shard: cannot split {what} ({n}) over {self.R} ranks: {self.R} must divide it")
+
+    # -- emitting ---------------------------------------------------------------------------------
+    def emit(self, opname: str, inputs: list[Value], attrs: dict, names: list[str] | None = None,
+             group=None) -> list[Value]:
+        names = names or None
+        return self.g.add_op(opname, inputs, attrs, names=names, group=group)
+
+    def copy_op(self, op: Op, inputs: list[Value], attrs: dict | None = None, layouts=None) -> list[Value]:
+        outs = self.emit(op.opname, inputs, dict(op.attrs if attrs is None else attrs),
+                         [v.name for v in op.outputs], self.group)
+        for old, new, lay in zip(op.outputs, outs, layouts):
+            self.m[old.name] = new
+            self.lay[new.name] = lay
+        return outs
+
+    def to(self, v: Value, want: tuple) -> Value:
+        have = self.lay[v.name]
+        if have == want or (want == PARTIAL and have == EP):
+            return v
+        key = (v.name, want)
+        if key in self.conv:
+            return self.conv[key]
+        R = self.R
+        if have in (PARTIAL, EP) and want == FULL:
+            out = self.emit("all_reduce", [v], {"ranks": R})[0]
+        elif have in (PARTIAL, EP) and want[0] == "split":
+            self._need(v.type.shape[want[1]], f"dim {want[1]} of %{v.name}")
+            out = self.emit("reduce_scatter", [v], {"ranks": R, "dim": want[1]})[0]
+        elif have[0] == "split" and want == FULL:
+            out = self.emit("all_gather", [v], {"ranks": R, "dim": have[1]})[0]
+        elif have == FULL and want[0] == "split":
+            self._need(v.type.shape[want[1]], f"dim {want[1]} of %{v.name}")
+            out = self.emit("rank_slice", [v], {"ranks": R, "dim": want[1]}, group=self.group)[0]
+        elif have[0] == "split" and want[0] == "split":
+            return self.to(self.to(v, FULL), want)
+        else:
+            raise ShardError(f"shard: cannot convert %{v.name} from {have} to {want}")
+        self.lay[out.name] = want
+        self.conv[key] = out
+        return out
+
+    def act(self, v: Value) -> Value:
+        """The new value for an old non-weight operand."""
+        if v.producer is None and v.name not in self.param_done:
+            return self.param(v)      # a param whose split no rule chose: replicated
+        return self.m[v.name]
+
+    def L(self, v: Value) -> tuple:
+        return self.lay[self.act(v).name]
+
+    # -- rules ------------------------------------------------------------------------------------
+    def _op_default(self, op: Op) -> None:
+        """Unknown or replicated op: every operand FULL, weights whole, results FULL."""
+        ins = [self.param(v) if v.kind is Kind.weight else self.to(self.act(v), FULL) for v in op.inputs]
+        self.copy_op(op, ins, layouts=[FULL] * len(op.outputs))
+
+    def _elementwise(self, op: Op, allow_partial: bool) -> None:
+        lays = {self.L(v) for v in op.inputs}
+        if len(lays) == 1:
+            (lay,) = lays
+            if lay[0] == "split" or lay == FULL or (allow_partial and lay in (PARTIAL, EP)):
+                lay = PARTIAL if lay == EP else lay
+                self.copy_op(op, [self.act(v) for v in op.inputs], layouts=[lay] * len(op.outputs))
+                return
+        self._op_default(op)
+
+    def _op_add(self, op):
+        self._elementwise(op, allow_partial=True)
+
+    _op_cast = _op_mul = _op_sigmoid = _op_sigmoid_mul = _op_situ_glu = _op_silu_mul = \
+        lambda self, op: self._elementwise(op, allow_partial=False)
+
+    def _op_linear(self, op: Op) -> None:
+        x, w = op.inputs
+        sources = self.src.param_attrs.get(w.name, {}).get("sources")
+        if sources:
+            return self._merged_linear(op, list(sources))
+        plan = linear_plan(w.name)
+        if plan == COL:
+            self._need(w.type.shape[0], f"output dim of %{w.name} ({op.outputs[0].name})")
+            self.copy_op(op, [self.to(self.act(x), FULL), self.param(w, 0)], layouts=[SPLIT(x.type.rank - 1)])
+        elif plan == ROW:
+            self._need(w.type.shape[1], f"input dim of %{w.name} ({op.outputs[0].name})")
+            xs = self.to(self.act(x), SPLIT(x.type.rank - 1))
+            self.copy_op(op, [xs, self.param(w, 1)], layouts=[PARTIAL])
+        else:
+            self.copy_op(op, [self.to(self.act(x), FULL), self.param(w)], layouts=[FULL])
+
+    def _merged_linear(self, op: Op, sources: list[str]) -> None:
+        x, w = op.inputs
+        plans, parts, start, lstart = [], [], 0, 0
+        rows = self._source_rows(op)
+        for s, n in zip(sources, rows):
+            p = linear_plan(s)
+            if p == ROW:
+                log(self.prog.opts, "fusion", f"shard: row-parallel %{s} inside merged %{w.name}: kept whole")
+                p = REP
+            if p == COL:
+                self._need(n, f"output dim of %{s} in merged %{w.name}")
+            ln = n // self.R if p == COL else n
+            parts.append((start, start + n, SPLIT(x.type.rank - 1) if p == COL else FULL, lstart, lstart + ln))
+            plans.append(0 if p == COL else -1)
+            start, lstart = start + n, lstart + ln
+        nw = self._declare(w, (lstart, w.type.shape[1]), {"split": tuple(plans)})
+        self.g.param_attrs[w.name] = {"sources": tuple(sources), "split": tuple(plans), "ranks": self.R}
+        self.copy_op(op, [self.to(self.act(x), FULL), nw], layouts=[("parts", tuple(parts))])
+
+    def _source_rows(self, op: Op) -> list[int]:
+        """Row counts of a merged weight's sources, read off canonicalize's slices of the output."""
+        users = [u for u in self.src.ops if op.outputs[0] in u.inputs]
+        if not users or any(u.opname != "slice" for u in users):
+            raise ShardError(f"shard: merged linear %{op.outputs[0].name} must be read only through slices")
+        bounds = sorted({(u.attrs["start"], u.attrs["end"]) for u in users})
+        return [e - s for s, e in bounds]
+
+    def _op_slice(self, op: Op) -> None:
+        (x,) = op.inputs
+        nx = self.act(x)
+        lay = self.lay[nx.name]
+        d = op.attrs["dim"] % x.type.rank
+        if lay[0] == "parts":
+            for s, e, play, ls, le in lay[1]:
+                if (s, e) == (op.attrs["start"], op.attrs["end"]):
+                    self.copy_op(op, [nx], {**op.attrs, "start": ls, "end": le}, layouts=[play])
+                    return
+            raise ShardError(f"shard: slice %{op.outputs[0].name} is not one part of merged %{x.name}")
+        if lay[0] == "split" and lay[1] != d:
+            self.copy_op(op, [nx], layouts=[lay])
+            return
+        self._op_default(op)
+
+    def _op_reshape(self, op: Op) -> None:
+        (x,) = op.inputs
+        shape = list(op.attrs["shape"])
+        if self.L(x) == SPLIT(1) and x.type.rank == 2 and len(shape) == 3 and isinstance(shape[1], int):
+            self._need(shape[1], f"heads of reshape %{op.outputs[0].name}")
+            shape[1] //= self.R
+            self.copy_op(op, [self.act(x)], {"shape": tuple(shape)}, layouts=[SPLIT(1)])
+            return
+        self._op_default(op)
+
+    def _heads_split(self, op: Op, acts: list[Value], heads_attr: str = "heads") -> bool:
+        if all(self.L(v) == SPLIT(1) for v in acts):
+            self._need(op.attrs[heads_attr], f"{heads_attr} of {op.opname} %{op.outputs[0].name}")
+            return True
+        return False
+
+    def _op_conv_update(self, op: Op) -> None:
+        x, st, w = op.inputs
+        if self.L(x) == SPLIT(1):
+            self.copy_op(op, [self.act(x), self.param(st, 1), self.param(w, 0)], layouts=[SPLIT(1), SPLIT(1)])
+        else:
+            self._op_default(op)
+
+    def _op_l2_norm(self, op: Op) -> None:
+        (x,) = op.inputs
+        if self.L(x) == SPLIT(1) and (x.type.shape[1] // self.R) % op.attrs["head_dim"] == 0:
+            self.copy_op(op, [self.act(x)], layouts=[SPLIT(1)])
+        else:
+            self._op_default(op)
+
+    def _op_kda_gate(self, op: Op) -> None:
+        f, a_log, dt = op.inputs
+        if not self._heads_split(op, [f]):
+            return self._op_default(op)
+        h, d = op.attrs["heads"], op.attrs["head_dim"]
+        n = h if op.attrs["a_log_broadcast"] == "head" else h * d
+        na = self.param(a_log, 0, n if n != a_log.type.shape[0] else 0)
+        self.copy_op(op, [self.act(f), na, self.param(dt, 0)], {**op.attrs, "heads": h // self.R},
+                     layouts=[SPLIT(1)])
+
+    def _op_kda_recurrent(self, op: Op) -> None:
+        *acts, st = op.inputs
+        if not self._heads_split(op, acts):
+            return self._op_default(op)
+        self.copy_op(op, [*map(self.act, acts), self.param(st, 1)],
+                     {**op.attrs, "heads": op.attrs["heads"] // self.R}, layouts=[SPLIT(1), SPLIT(1)])
+
+    def _op_gated_rms_norm(self, op: Op) -> None:
+        x, gate, w = op.inputs
+        if self.L(x) == SPLIT(1) and self.L(gate) == SPLIT(1):
+            self.copy_op(op, [self.act(x), self.act(gate), self.param(w)], layouts=[SPLIT(1)])
+        else:
+            self._op_default(op)
+
+    def _mla(self, op: Op, acts: list[Value], kv_b: Value | None, full_ops: list[Value]) -> None:
+        if not self._heads_split(op, acts):
+            return self._op_default(op)
+        new_in = []
+        for v in op.inputs:
+            if v is kv_b:
+                new_in.append(self.param(v, 0))      # kv_b rows are head blocks [nope + v] per head
+            elif v in acts:
+                new_in.append(self.act(v))
+            else:
+                new_in.append(self.to(self.act(v), FULL))   # the latent cache and pos: replicated
+        self.copy_op(op, new_in, {**op.attrs, "heads": op.attrs["heads"] // self.R}, layouts=[SPLIT(1)])
+
+    def _op_mla_attention_naive(self, op):
+        self._mla(op, op.inputs[:2], op.inputs[3], [])
+
+    def _op_mla_q_absorb(self, op):
+        self._mla(op, op.inputs[:1], op.inputs[1], [])
+
+    def _op_mla_attention(self, op):
+        self._mla(op, op.inputs[:2], None, [])
+
+    def _op_mla_v_up(self, op):
+        self._mla(op, op.inputs[:1], op.inputs[1], [])
+
+    def _op_rope(self, op: Op) -> None:
+        x, pos = op.inputs
+        if self.L(x) == SPLIT(1) and (x.type.shape[1] // self.R) % op.attrs["head_dim"] == 0:
+            self.copy_op(op, [self.act(x), self.to(self.act(pos), FULL)], layouts=[SPLIT(1)])
+        else:
+            self._op_default(op)
+
+    def _op_cache_append(self, op: Op) -> None:
+        cache, row, pos = op.inputs
+        if self.L(row) == SPLIT(1):      # GQA caches: heads split like the k/v projections
+            self.copy_op(op, [self.param(cache, 2), self.act(row), self.to(self.act(pos), FULL)],
+                         layouts=[SPLIT(2)])
+        else:
+            self._op_default(op)
+
+    def _op_attention(self, op: Op) -> None:
+        q, kc, vc, pos = op.inputs
+        if self.L(q) == SPLIT(1) and self.L(kc) == SPLIT(2) and self.L(vc) == SPLIT(2):
+            self._need(op.attrs["heads"], f"heads of attention %{op.outputs[0].name}")
+            self._need(op.attrs["kv_heads"], f"kv_heads of attention %{op.outputs[0].name}")
+            at = {**op.attrs, "heads": op.attrs["heads"] // self.R, "kv_heads": op.attrs["kv_heads"] // self.R}
+            self.copy_op(op, [self.act(q), self.act(kc), self.act(vc), self.to(self.act(pos), FULL)], at,
+                         layouts=[SPLIT(1)])
+        else:
+            self._op_default(op)
+
+    # MoE: tokens and the router are replicated; each rank runs its E/R experts on every token
+    # (rows of other ranks' experts stay zero), so the combined latent is a PARTIAL sum.
+    def _op_moe_gate_up(self, op: Op) -> None:
+        x, ids, w1, w3 = op.inputs
+        self._need(w1.type.shape[0], f"experts of %{op.outputs[0].name}")
+        self.copy_op(op, [self.to(self.act(x), FULL), self.to(self.act(ids), FULL), self.param(w1, 0),
+                          self.param(w3, 0)], {**op.attrs, "ep_ranks": self.R}, layouts=[EP])
+
+    def _op_moe_down(self, op: Op) -> None:
+        h, ids, w2 = op.inputs
+        self._need(w2.type.shape[0], f"experts of %{op.outputs[0].name}")
+        if self.L(h) != EP:
+            raise ShardError(f"shard: moe_down %{op.outputs[0].name} needs its input from an expert-parallel moe_gate_up")
+        self.copy_op(op, [self.act(h), self.to(self.act(ids), FULL), self.param(w2, 0)],
+                     {**op.attrs, "ep_ranks": self.R}, layouts=[EP])
+
+    def _op_moe_combine(self, op: Op) -> None:
+        y, w = op.inputs
+        if self.L(y) == EP:      # linear in y: a weighted sum of PARTIAL rows stays PARTIAL
+            self.copy_op(op, [self.act(y), self.to(self.act(w), FULL)], layouts=[PARTIAL])
+        else:
+            self._op_default(op)
+
+
+# -- fusion groups cut by a collective --------------------------------------------------------------
+def _split_cut_groups(prog: Program) -> None:
+    from fusec.passes.fuse import group_anchor
+    g = prog.graph
+    groups: dict[str, list[Op]] = {}
+    for op in g.ops:
+        if op.group:
+            groups.setdefault(op.group, []).append(op)
+    for name, ops in groups.items():
+        members = {id(o) for o in ops}
+        after: set[int] = set()        # group ops downstream of a collective fed by the group
+        tainted: set[str] = set()
+        for op in g.ops:
+            if Trait.collective in op.opdef.traits and any(
+                    v.producer is not None and id(v.producer) in members | after for v in op.inputs):
+                tainted.update(v.name for v in op.outputs)
+            elif any(v.name in tainted for v in op.inputs):
+                tainted.update(v.name for v in op.outputs)
+                if id(op) in members:
+                    after.add(id(op))
+        if not after:
+            continue
+        anchor = group_anchor(ops)
+        leave = [o for o in ops if (id(o) in after) != (id(anchor) in after)]
+        for o in leave:
+            o.group = None
+        log(prog.opts, "fusion", f"shard: group {name} is cut by a collective; "
+            f"{', '.join('%' + o.outputs[0].name for o in leave)} leave it")
