@@ -14,7 +14,18 @@ The verifier's rules V1-V7 (see `fusec.passes.memory_order`) are stated over exa
 instructions, so a hoisted activation load is visible as a LOAD placed before its WAIT.
 
 Events are monotonic across steps: on step k (0-based) a WAIT for `threshold` t really waits
-for counter >= k * Event.per_step + t, so nothing is reset between steps.
+for counter >= k * Event.per_step + t, so nothing is reset between steps. A threshold of 0
+therefore means "every signal of the *previous* step has arrived" (used for comm-buffer acks).
+
+Replicated (SPMD) schedules: when every rank runs the same tasks, `replicated` is True and
+`tasks`, `events` and `queues` hold rank 0 only. Rank r's copy is the same list with `rank = r`
+and every peer reference rotated: `Region.rank` and `Instr.peer` p become (p + r) % ranks
+(peers are addressed by offset, so the collectives are rank-symmetric; boxes never depend on
+the rank). `materialize()` expands a replicated schedule to explicit tasks for every rank
+(task ids rank * n + i); the randomized executor and small tests use it.
+
+`buffers` holds scratch tensors the lowering introduces that are not graph values (comm slot
+buffers of collectives, kind `comm`), with their concrete types.
 """
 from __future__ import annotations
 
@@ -22,6 +33,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .graph import Graph
+from .types import TensorType
 
 
 class InstrKind(enum.Enum):
@@ -111,6 +123,31 @@ class Schedule:
     events: list[Event]
     queues: dict[tuple[int, int], list[int]]   # (rank, sm) -> task ids in issue order
     meta: dict[str, str] = field(default_factory=dict)
+    replicated: bool = False         # tasks/events/queues are rank 0's; see the module docstring
+    buffers: dict[str, TensorType] = field(default_factory=dict)   # lowering scratch (comm slots)
 
     def task(self, tid: int) -> Task:
         return self.tasks[tid]
+
+    def materialize(self) -> "Schedule":
+        """An explicit schedule with every rank's tasks (a copy; identity when not replicated)."""
+        if not self.replicated:
+            return self
+        n, R = len(self.tasks), self.ranks
+
+        def rot(p, r):
+            return None if p is None else (p + r) % R
+
+        tasks, events, queues = [], [], {}
+        for r in range(R):
+            for t in self.tasks:
+                ins = [Instr(i.kind, None if i.region is None else
+                             Region(i.region.tensor, i.region.box, rot(i.region.rank, r)),
+                             i.event, i.threshold, i.sem, i.scope, rot(i.peer, r), i.addressed_by)
+                       for i in t.instrs]
+                tasks.append(Task(r * n + t.id, r, t.sm, t.body_kind, t.ops, t.tile, ins, t.cost_us))
+            events.extend(Event(e.id, r, e.name, e.per_step) for e in self.events)
+            for (_, sm), q in self.queues.items():
+                queues[(r, sm)] = [r * n + i for i in q]
+        return Schedule(self.graph, dict(self.dims), R, self.sms, tasks, events, queues,
+                        dict(self.meta), False, dict(self.buffers))

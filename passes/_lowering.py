@@ -1,0 +1,478 @@
+"""Lowering helpers of the `tile` pass: task families (`Unit`), exact regions per op, collectives.
+
+Not a pass. `build_units(graph, dims, opts)` returns (units in topological order, tasks, scratch
+buffers). Each task's instructions are LOADs, one COMPUTE and STOREs; events are added later by
+`schedule`, which also resolves the named collective events kept in `Unit.pre` / `Unit.post`.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from fusec.cost import gpu_spec, task_time_us
+from fusec.ir.graph import Graph, Op, Value
+from fusec.ir.registry import Trait
+from fusec.ir.schedule import Instr, InstrKind, Region, Scope, Task
+from fusec.ir.types import Kind, TensorType
+
+COMPUTE = Instr(InstrKind.COMPUTE)
+MIN_TASK_BYTES = 128 * 1024     # a task streams at least this much (~4 us at its share vs 1.5 us overhead)
+ALIGN = 8                       # GEMV tile rows are a multiple of this (16-byte bf16 vectors)
+
+GEMV_OPS = {"linear", "mla_q_absorb", "mla_v_up"}
+EXPERT_OPS = {"moe_gate_up", "moe_down"}
+HEAD_OPS = {"mla_attention_naive", "mla_attention", "attention", "kda_recurrent"}
+COLLECTIVES = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all_dispatch", "all_to_all_combine"}
+# elementwise-on-the-tile ops usable as epilogues; head-wise ones need head-aligned tiles
+HEADWISE = {"gated_rms_norm", "l2_norm"}
+
+
+@dataclass
+class Unit:
+    """One task family: the tasks of one (part of a) fusion group, or one side of a collective."""
+
+    name: str
+    ops: list[Op]
+    body: str
+    task_ids: list[int] = field(default_factory=list)
+    reads: set[str] = field(default_factory=set)      # values loaded (produced elsewhere)
+    writes: set[str] = field(default_factory=set)     # values stored
+    after: set[str] = field(default_factory=set)      # units that must finish first (WAR edges)
+    # collectives: named events; pre[i] = [(event, threshold, peer offset or None)], post likewise
+    pre: dict[int, list[tuple[str, int, int | None]]] = field(default_factory=dict)
+    post: dict[int, list[tuple[str, int | None]]] = field(default_factory=dict)
+    named_events: dict[str, int] = field(default_factory=dict)   # event name -> signals per step
+    signals_local: bool = True       # its tasks signal the unit's own event (someone waits on it)
+    collective: bool = False
+
+
+def full_box(shape) -> tuple[tuple[int, int], ...]:
+    return tuple((0, int(d)) for d in shape)
+
+
+def splits(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """[0, n) in `parts` contiguous ranges on `align` boundaries (fewer if n is small)."""
+    units = max(1, n // align) if n % align == 0 else None
+    if units is None:
+        align, units = 1, n
+    parts = max(1, min(parts, units))
+    base, extra = divmod(units, parts)
+    out, s = [], 0
+    for p in range(parts):
+        e = s + (base + (1 if p < extra else 0)) * align
+        out.append((s, e))
+        s = e
+    return out
+
+
+class _Ctx:
+    def __init__(self, g: Graph, dims, opts, logf):
+        self.g, self.dims, self.opts, self.log = g, dims, opts, logf
+        self.spec = gpu_spec(opts.gpu)
+        self.sms = opts.sms
+        self.users = g.users()
+        self.shape = {v.name: v.type.concrete(dims) for v in g.values()}
+        self.fb = {n: full_box(s) for n, s in self.shape.items()}
+        self.bpe = {v.name: v.type.dtype.bits / 8 for v in g.values()}
+        self.numel = {n: math.prod(s) for n, s in self.shape.items()}
+        self.kind = {v.name: v.kind for v in g.values()}
+        self.storage: dict[str, str] = {}
+        for v in g.params:
+            self.storage[v.name] = v.name
+        for op in g.ops:
+            for i, v in enumerate(op.outputs):
+                src = op.opdef.aliases.get(i)
+                self.storage[v.name] = self.storage[op.inputs[src].name] if src is not None else v.name
+        self.outputs = {v.name for v in g.outputs} | {v.name for v in g.updates.values()}
+        self.tasks: list[Task] = []
+        self.memo: dict = {}             # (value, box, addressed_by) -> (shared frozen Instr, bytes)
+        self.buffers: dict[str, TensorType] = {}
+        self.types: dict[str, TensorType] = {self.storage[v.name]: v.type for v in g.params}
+
+    def nbytes(self, v: Value | str, box) -> float:
+        n = v if isinstance(v, str) else v.name
+        return math.prod([b - a for a, b in box]) * self.bpe[n]
+
+
+# -- region rules ----------------------------------------------------------------------------
+def _input_boxes(ctx: _Ctx, op: Op, obox, anchor: bool):
+    """Boxes of `op`'s inputs needed to compute `obox` of its first output."""
+    sh = [ctx.shape[v.name] for v in op.inputs]
+    out = ctx.shape[op.outputs[0].name]
+    full = [ctx.fb[v.name] for v in op.inputs]
+    name = op.opname
+    if name == "linear":
+        return [full[0], (obox[-1], (0, sh[1][1]))]
+    if name == "mla_q_absorb":                      # obox [B, h0:h1, lora]
+        h0, h1 = obox[1]
+        per = op.attrs["nope"] + op.attrs["v_dim"]
+        return [(full[0][0], (h0, h1), full[0][2]), ((h0 * per, h1 * per), full[1][1])]
+    if name == "mla_v_up":                          # obox [B, h0*vd:h1*vd]
+        vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
+        h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
+        return [(full[0][0], (h0, h1), full[0][2]), ((h0 * per, h1 * per), full[1][1])]
+    if name in EXPERT_OPS:                          # obox [b, k, rows]; weights of every expert
+        b, k, rows = obox
+        w = [(full[i][0], rows, full[i][2]) if name == "moe_gate_up" else (full[i][0], rows, full[i][2])
+             for i in range(2, len(sh))]
+        x = (b, full[0][1]) if name == "moe_gate_up" else (b, k, full[0][2])
+        return [x, (b, full[1][1])] + w
+    if name == "mla_attention_naive":               # obox [B, h*vd]
+        vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
+        h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
+        return [(full[0][0], (h0, h1), full[0][2]), (full[1][0], (h0, h1), full[1][2]), full[2],
+                ((h0 * per, h1 * per), full[3][1]), full[4]]
+    if name == "mla_attention":                     # obox [B, h0:h1, lora]
+        hb = obox[1]
+        return [(full[0][0], hb, full[0][2]), (full[1][0], hb, full[1][2]), full[2], full[3]]
+    if name == "attention":                         # obox [B, h0*D:h1*D]; kv heads of the group
+        d, grp = op.attrs["head_dim"], op.attrs["heads"] // op.attrs["kv_heads"]
+        h0, h1 = obox[-1][0] // d, obox[-1][1] // d
+        kv = ((h0 // grp) * d, ((h1 - 1) // grp + 1) * d)
+        return [obox, (full[1][0], full[1][1], kv), (full[2][0], full[2][1], kv), full[3]]
+    if name == "kda_recurrent":                     # obox [B, h0*D:h1*D]
+        d = op.attrs["head_dim"]
+        h0, h1 = obox[-1][0] // d, obox[-1][1] // d
+        return [obox] * 4 + [(obox[0], (h0, h1)), (obox[0], (h0, h1), full[5][2], full[5][3])]
+    if name == "conv_update":
+        return [obox, (obox[0], obox[1], full[1][2]), (obox[1], full[2][1], full[2][2])]
+    if name == "embedding":
+        return [(full[0][0], obox[-1]), full[1]]
+    # elementwise-like: same-shape operands take the box; vectors along the last dim its range
+    res = []
+    for s, f in zip(sh, full):
+        if tuple(s) == tuple(out):
+            res.append(obox)
+        elif len(s) == 1 and len(out) >= 1 and s[0] == out[-1] and name not in HEADWISE:
+            res.append((obox[-1],))
+        else:
+            res.append(f)
+    return res
+
+
+def _out_boxes(ctx: _Ctx, op: Op, obox):
+    """Boxes of every output given the box of the first (aliased state outputs included)."""
+    res = [obox]
+    for v in op.outputs[1:]:
+        s = ctx.shape[v.name]
+        if op.opname == "kda_recurrent":
+            d = op.attrs["head_dim"]
+            res.append((obox[0], (obox[-1][0] // d, obox[-1][1] // d), (0, s[2]), (0, s[3])))
+        elif op.opname == "conv_update":
+            res.append((obox[0], obox[1], (0, s[2])))
+        elif tuple(s) == tuple(ctx.shape[op.outputs[0].name]):
+            res.append(obox)
+        else:
+            res.append(full_box(s))
+    return res
+
+
+def _anchor_kind(op: Op) -> str | None:
+    if op.opname in GEMV_OPS:
+        return "gemv"
+    if op.opname in EXPERT_OPS:
+        return "experts"
+    if op.opname in HEAD_OPS:
+        return "heads"
+    return None
+
+
+def _tileable_epilogue(ctx: _Ctx, op: Op, anchor: Op, align: int) -> bool:
+    t = op.opdef.traits
+    out = ctx.shape[op.outputs[0].name]
+    if out != ctx.shape[anchor.outputs[0].name] or op.opname in COLLECTIVES:
+        return False
+    if op.opname in HEADWISE:
+        return align % op.attrs["head_dim"] == 0
+    if op.opname == "linear":       # a sibling GEMV (e.g. gate and up sharing x): same rows
+        return anchor.opname == "linear"
+    if op.opname in ("kda_gate",):
+        return align % op.attrs["head_dim"] == 0
+    if op.opname == "conv_update":
+        return True
+    return Trait.elementwise in t and op.opname not in ("reshape", "slice", "concat")
+
+
+def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], align: int):
+    """The tiles (boxes of the primary output) and the body kind of a unit."""
+    prim = anchor.outputs[0] if anchor is not None else ops[-1].outputs[0]
+    s = ctx.shape[prim.name]
+    fb = full_box(s)
+    if anchor is None:
+        elementwise = all(Trait.elementwise in o.opdef.traits and o.opname not in ("reshape", "slice", "concat")
+                          and ctx.shape[o.outputs[0].name] == s for o in ops)
+        nb = sum(ctx.nbytes(v, full_box(ctx.shape[v.name])) for o in ops for v in o.inputs)
+        n = math.ceil(nb / MIN_TASK_BYTES) if elementwise and s else 1
+        body = ops[0].opname if len(ops) == 1 else "fused_" + ops[0].opname
+        return [fb[:-1] + (r,) for r in splits(s[-1], min(n, ctx.sms), 1)] if s else [fb], body
+    w = sum(ctx.nbytes(v, full_box(ctx.shape[v.name])) for o in ops for v in o.inputs if v.kind is Kind.weight)
+    if anchor.opname in EXPERT_OPS:
+        b, k = s[0], s[1]
+        slots = b * k
+        frac = min(1.0, slots / ctx.shape[anchor.inputs[2].name][0])
+        per_slot = w * frac / slots
+        n = max(1, min(ctx.sms // slots if slots < ctx.sms else 1, math.ceil(per_slot / MIN_TASK_BYTES)))
+        rows = splits(s[2], n, ALIGN)
+        return [((i, i + 1), (j, j + 1), r) for i in range(b) for j in range(k) for r in rows], anchor.opname
+    if anchor.opname == "mla_q_absorb" or anchor.opname == "mla_attention":
+        heads = s[1]
+        n = min(heads, ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)), max(1, ctx.sms // 8))
+        return [(fb[0], r, fb[2]) for r in splits(heads, n)], anchor.opname
+    if anchor.opname in ("mla_attention_naive", "mla_v_up"):
+        align = anchor.attrs["v_dim"]
+    elif anchor.opname == "attention":
+        align = anchor.attrs["head_dim"] * anchor.attrs["heads"] // anchor.attrs["kv_heads"]
+    elif anchor.opname == "kda_recurrent":
+        align = anchor.attrs["head_dim"]
+        w += ctx.nbytes(anchor.inputs[5], full_box(ctx.shape[anchor.inputs[5].name]))
+    n = min(ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
+    return [fb[:-1] + (r,) for r in splits(s[-1], n, align)], anchor.opname
+
+
+def _align_for(ctx: _Ctx, anchor: Op, group: list[Op]) -> int:
+    """Tile alignment: ALIGN rows, raised to the head size of head-wise epilogues."""
+    a = ALIGN
+    if anchor.opname in ("kda_recurrent", "attention"):
+        a = anchor.attrs["head_dim"]
+    out = ctx.shape[anchor.outputs[0].name]
+    for op in group:
+        if op.opname in HEADWISE | {"kda_gate"} and ctx.shape[op.outputs[0].name] == out:
+            a = math.lcm(a, op.attrs["head_dim"])
+    if out and out[-1] % a:
+        return ALIGN
+    return a
+
+
+# -- units -----------------------------------------------------------------------------------
+def _partition(ctx: _Ctx, ops: list[Op]) -> list[tuple[list[Op], list[Op], Op | None, list[Op]]]:
+    """Split one group into units: (recomputed prologue, [anchor], anchor, epilogue) lists."""
+    members = {id(o) for o in ops}
+    anchors = [o for o in ops if _anchor_kind(o)]
+    if any(o.opname in COLLECTIVES for o in ops) and len(ops) > 1:
+        ctx.log(f"group {ops[0].group}: collective split out of its group")
+        res = []
+        for o in ops:
+            res.extend(_partition(ctx, [o]))
+        return res
+    if not anchors:
+        return [([], ops, None, [])]
+    anchor = anchors[0]
+    ai = ops.index(anchor)
+    pro, early = [], []
+    for o in ops[:ai]:
+        inside_only = all(id(u) in members for v in o.outputs for u in ctx.users[v.name]) and \
+            not any(v.name in ctx.outputs for v in o.outputs)
+        if inside_only and not o.opdef.aliases and Trait.stateful not in o.opdef.traits:
+            pro.append(o)
+        else:
+            early.append(o)
+    res = []
+    if early:
+        ctx.log(f"group {anchor.group}: {', '.join(o.outputs[0].name for o in early)} run before "
+                f"the anchor as their own unit (stateful or used outside the group)")
+        res.extend(_partition(ctx, early))
+    align = _align_for(ctx, anchor, ops)
+    epi, rest = [], []
+    for i, o in enumerate(ops[ai + 1:]):
+        if _tileable_epilogue(ctx, o, anchor, align):
+            epi.append(o)
+        else:
+            rest = ops[ai + 1 + i:]
+            ctx.log(f"group {anchor.group}: {o.opname} %{o.outputs[0].name} does not map the tile of "
+                    f"{anchor.opname}: it and the rest of the group form a new unit")
+            break
+    res.append((pro, [anchor], anchor, epi))
+    if rest:
+        res.extend(_partition(ctx, rest))
+    return res
+
+
+def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
+    ops = pro + core + epi
+    members = {id(o) for o in ops}
+    align = _align_for(ctx, anchor, ops) if anchor is not None else 1
+    tiles, body = _tile_boxes(ctx, anchor, core + epi if anchor is not None else core, align)
+    unit = Unit(name, ops, body)
+    produced_here = {v.name for o in ops for v in o.outputs}
+    stored = [v for o in ops for v in o.outputs
+              if v.name in ctx.outputs or any(id(u) not in members for u in ctx.users[v.name])]
+    op_names = tuple(o.outputs[0].name for o in ops)
+    # per op, once: registry cost, and what the recomputed prologue loads
+    costs = {id(o): o.opdef.cost([v.type for v in o.inputs], [v.type for v in o.outputs], o.attrs, ctx.dims)
+             for o in core + epi}
+    pro_loads: dict[str, tuple] = {}
+    for o in pro:                        # recomputed in full by every tile
+        for v in o.inputs:
+            if v.name not in produced_here:
+                pro_loads[v.name] = ctx.fb[v.name]
+    pro_boxes = {v.name: ctx.fb[v.name] for o in pro for v in o.outputs}
+    memo = ctx.memo
+    tiled_ops = [(o, o is anchor, o.opdef.addressed_by, costs[id(o)].flops / max(1, ctx.numel[o.outputs[0].name]))
+                 for o in core + epi]
+    for tile in tiles:
+        boxes = dict(pro_boxes)
+        loads = dict(pro_loads)
+        addr: dict[str, str] = {}
+        flops = 0.0
+        tile_n = math.prod([b - a for a, b in tile])
+        for o, is_anchor, ab, fpe in tiled_ops:
+            ins = _input_boxes(ctx, o, tile, is_anchor)
+            for i, (v, bx) in enumerate(zip(o.inputs, ins)):
+                vn = v.name
+                if vn in produced_here:
+                    continue
+                old = loads.get(vn)
+                # the union (hull) of the boxes this tile reads of one value
+                loads[vn] = bx if old is None or old == bx else tuple(
+                    (min(a0, b0), max(a1, b1)) for (a0, a1), (b0, b1) in zip(old, bx))
+                if ab:
+                    src = ab.get(i)
+                    if src is not None:
+                        addr[vn] = ctx.storage[o.inputs[src].name]
+            for v, bx in zip(o.outputs, _out_boxes(ctx, o, tile)):
+                boxes[v.name] = bx
+            flops += fpe * tile_n
+        instrs, nbytes = [], 0.0
+        for vn, box in loads.items():
+            a = addr.get(vn)
+            key = (vn, box, a)
+            hit = memo.get(key)
+            if hit is None:
+                nb = ctx.nbytes(vn, box)
+                if a is not None and ctx.kind[vn] is Kind.weight:   # one expert's rows of the box
+                    nb /= ctx.shape[vn][0]
+                hit = memo[key] = (Instr(InstrKind.LOAD, Region(ctx.storage[vn], box), addressed_by=a), nb)
+            instrs.append(hit[0])
+            nbytes += hit[1]
+        instrs.append(COMPUTE)
+        for v in stored:
+            key = (v.name, boxes[v.name], "store")
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = (Instr(InstrKind.STORE, Region(ctx.storage[v.name], boxes[v.name])),
+                                   ctx.nbytes(v.name, boxes[v.name]))
+            instrs.append(hit[0])
+            nbytes += hit[1]
+        t = Task(len(ctx.tasks), 0, -1, body, op_names, tile, instrs,
+                 task_time_us(ctx.spec, nbytes, flops, sms=ctx.sms))
+        ctx.tasks.append(t)
+        unit.task_ids.append(t.id)
+    unit.reads = {v.name for o in ops for v in o.inputs if v.name not in produced_here}
+    unit.writes = {v.name for v in stored}
+    return unit
+
+
+def _emit_collective(ctx: _Ctx, name: str, op: Op) -> list[Unit]:
+    """Push unit (per peer offset d) + local reduce/gather unit; see passes/tile.py."""
+    R = op.attrs["ranks"]
+    x, y = op.inputs[0], op.outputs[0]
+    xs = ctx.shape[x.name]
+    slot = f"{y.name}.slots"
+    slot_t = TensorType((R, *xs), x.type.dtype, Kind.comm)
+    ctx.buffers[slot] = slot_t
+    arrive, ack = f"{y.name}.arrive", f"{y.name}.ack"
+    extra = [v for v in op.inputs[1:]]
+    push = Unit(name + ".push", [op], "comm_push", collective=True, signals_local=False,
+                named_events={arrive: R - 1, ack: R - 1})
+    xb = ctx.nbytes(x, full_box(xs))
+    for d in range(1, R):
+        ins = [Instr(InstrKind.LOAD, Region(ctx.storage[v.name], full_box(ctx.shape[v.name]))) for v in [x, *extra]]
+        ins += [Instr(InstrKind.COMPUTE),
+                Instr(InstrKind.STORE, Region(slot, ((d, d + 1), *full_box(xs)), rank=d))]
+        t = Task(len(ctx.tasks), 0, -1, "comm_push", (y.name,), ((d, d + 1),), ins,
+                 task_time_us(ctx.spec, xb, 0.0, remote_bytes=xb, remote_hops=1, sms=ctx.sms))
+        ctx.tasks.append(t)
+        push.task_ids.append(t.id)
+        i = len(push.task_ids) - 1
+        # the peer's slot d is free once every receiver acknowledged the previous step (t = 0)
+        push.pre[i] = [(ack, 0, None)]
+        push.post[i] = [(arrive, d)]
+    push.reads |= {x.name, *(v.name for v in extra)}
+    local = Unit(name, [op], "comm_" + op.opname, collective=True)
+    ins = [Instr(InstrKind.LOAD, Region(ctx.storage[v.name], full_box(ctx.shape[v.name]))) for v in [x, *extra]]
+    if R > 1:
+        ins.append(Instr(InstrKind.LOAD, Region(slot, ((1, R), *full_box(xs)))))
+    ins += [Instr(InstrKind.COMPUTE), Instr(InstrKind.STORE, Region(ctx.storage[y.name], full_box(ctx.shape[y.name])))]
+    t = Task(len(ctx.tasks), 0, -1, "comm_" + op.opname, (y.name,), full_box(ctx.shape[y.name]), ins,
+             task_time_us(ctx.spec, xb * R + ctx.nbytes(y, full_box(ctx.shape[y.name])), 0.0, sms=ctx.sms))
+    ctx.tasks.append(t)
+    local.task_ids.append(t.id)
+    local.reads |= {x.name, *(v.name for v in extra)}
+    local.writes.add(y.name)
+    if R > 1:
+        local.pre[0] = [(arrive, R - 1, None)]
+        local.post[0] = [(ack, (R - d) % R) for d in range(1, R)]   # tell each sender: slot consumed
+        return [push, local]
+    return [local]
+
+
+def build_units(g: Graph, dims, opts, logf):
+    ctx = _Ctx(g, dims, opts, logf)
+    groups: list[list[Op]] = []
+    by_name: dict[str, list[Op]] = {}
+    for op in g.ops:
+        if op.group is None:
+            groups.append([op])
+        elif op.group in by_name:
+            by_name[op.group].append(op)
+        else:
+            by_name[op.group] = [op]
+            groups.append(by_name[op.group])
+    units: list[Unit] = []
+    for ops in groups:
+        for k, (pro, core, anchor, epi) in enumerate(_partition(ctx, ops)):
+            base = (ops[0].group or ops[0].outputs[0].name) + (f"#{k}" if k else "")
+            if len(core) == 1 and core[0].opname in COLLECTIVES and not pro and not epi:
+                units.extend(_emit_collective(ctx, base, core[0]))
+            else:
+                units.append(_emit_unit(ctx, base, pro, core, anchor, epi))
+    return _toposort(ctx, units), ctx.tasks, ctx.buffers
+
+
+def _toposort(ctx: _Ctx, units: list[Unit]) -> list[Unit]:
+    """Kahn's order over value and write-after-read edges, ties by original order."""
+    idx = {u.name: i for i, u in enumerate(units)}
+    prod: dict[str, str] = {}
+    for u in units:
+        if not (u.collective and u.body == "comm_push"):
+            for o in u.ops:
+                for v in o.outputs:
+                    prod[v.name] = u.name
+    unit_of_op = {}
+    for u in units:
+        if not (u.collective and u.body == "comm_push"):
+            for o in u.ops:
+                unit_of_op[id(o)] = u.name
+    # a value overwritten in place must first be read by everyone else (WAR)
+    for o in ctx.g.ops:
+        for ri, oi in o.opdef.aliases.items():
+            v = o.inputs[oi]
+            for r in ctx.users[v.name]:
+                if r is not o and unit_of_op[id(r)] != unit_of_op[id(o)]:
+                    units[idx[unit_of_op[id(o)]]].after.add(unit_of_op[id(r)])
+    deps: dict[str, set[str]] = {}
+    for u in units:
+        d = {prod[v] for v in u.reads if v in prod} | u.after
+        d.discard(u.name)
+        deps[u.name] = d
+    succ: dict[str, list[str]] = {u.name: [] for u in units}
+    indeg = {u.name: len(deps[u.name]) for u in units}
+    for n, ds in deps.items():
+        for d in ds:
+            succ[d].append(n)
+    heap = [idx[u.name] for u in units if indeg[u.name] == 0]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        u = units[heapq.heappop(heap)]
+        out.append(u)
+        for s in succ[u.name]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(heap, idx[s])
+    if len(out) != len(units):
+        raise ValueError("tile: task groups form a cycle (a fusion group both feeds and reads another)")
+    for u in out:
+        u.deps = deps[u.name]
+    return out

@@ -1,0 +1,105 @@
+"""schedule: put the tasks on per-SM queues with a list-scheduling cost model; add events.
+
+Requires: `tile` ran (`prog.schedule` holds tasks without waits, `prog.notes["units"]` the task
+families in a topological order, possibly reordered by `overlap`).
+Ensures: every task has its SM; queues (rank 0; the schedule is replicated) hold task ids in
+issue order; each task body is
+    WAIT* (acquire) -> LOAD* -> COMPUTE -> STORE* -> SIGNAL* (release)
+so `prefetch` can later hoist weight LOADs above the WAITs; `prog.notes["scheduled"] = True`.
+
+Events: one counter per unit (task family) that someone waits on, `per_step` = its number of
+tasks (each signals once per step); a consumer waits for the whole family (threshold =
+per_step): tiles of a producer are not told apart, so waiting for all of them is the only
+threshold a monotonic counter makes safe. Collectives add two named events per collective,
+both signalled by peers at system scope: `<y>.arrive` (R - 1 pushes land per step; the local
+reduce waits for all of them) and `<y>.ack` (each receiver acknowledges each sender once per
+step after loading its slot; a push waits for threshold 0 of it, i.e. every ack of the previous
+step, before overwriting the peer's slot: V4 without double buffers).
+
+List scheduling: tasks are issued in unit order (a global topological order, so every queue is
+consistent with it: V5); each goes to the SM that frees first; it starts when that SM is free
+and every family it waits on has finished (the peers of a collective are assumed to run the
+same schedule in lockstep: the arrive wait is ready when our own push family is). Task times
+come from `fusec.cost.task_time_us`; the predicted step time is the last finish.
+"""
+from __future__ import annotations
+
+import heapq
+
+from fusec.config import log
+from fusec.ir.schedule import Event, Instr, InstrKind, Scope, Sem
+
+from .manager import Program, register_pass
+
+
+@register_pass("schedule")
+def run(prog: Program) -> bool:
+    sched = prog.schedule
+    units = prog.notes.get("units")
+    if sched is None or units is None:
+        raise ValueError("schedule needs the tile pass first (no tasks)")
+    by_name = {u.name: u for u in units}
+    waited = set()
+    for u in units:
+        waited |= u.deps
+    events: list[Event] = []
+    ev_id: dict[str, int] = {}
+
+    def event(name: str, per_step: int) -> int:
+        if name not in ev_id:
+            ev_id[name] = len(events)
+            events.append(Event(len(events), 0, name, per_step))
+        return ev_id[name]
+
+    for u in units:
+        if u.name in waited:
+            event(u.name, len(u.task_ids))
+        for n, ps in u.named_events.items():
+            event(n, ps)
+
+    # -- instructions ------------------------------------------------------------------------
+    for u in units:
+        waits = [Instr(InstrKind.WAIT, event=ev_id[d], threshold=len(by_name[d].task_ids), sem=Sem.acquire)
+                 for d in sorted(u.deps, key=lambda n: ev_id[n])]
+        own = [Instr(InstrKind.SIGNAL, event=ev_id[u.name], sem=Sem.release)] if u.name in ev_id else []
+        for i, tid in enumerate(u.task_ids):
+            t = sched.tasks[tid]
+            pre = [Instr(InstrKind.WAIT, event=ev_id[e], threshold=th, sem=Sem.acquire, scope=Scope.sys)
+                   for e, th, _ in u.pre.get(i, [])]
+            post = [Instr(InstrKind.SIGNAL, event=ev_id[e], sem=Sem.release,
+                          scope=Scope.sys, peer=p) for e, p in u.post.get(i, [])]
+            body = [x for x in t.instrs if x.kind not in (InstrKind.WAIT, InstrKind.SIGNAL)]
+            t.instrs = pre + waits + body + post + own
+
+    # -- list scheduling ---------------------------------------------------------------------
+    sms = sched.sms
+    free = [(0.0, sm) for sm in range(sms)]
+    heapq.heapify(free)
+    finish: dict[str, float] = {}
+    queues: dict[tuple[int, int], list[int]] = {(0, sm): [] for sm in range(sms)}
+    for u in units:
+        ready = max((finish[d] for d in u.deps), default=0.0)
+        if u.pre and u.body != "comm_push":
+            push = by_name.get(u.name + ".push")
+            if push is not None:
+                ready = max(ready, finish.get(push.name, 0.0))
+        end = ready
+        for tid in u.task_ids:
+            t = sched.tasks[tid]
+            f, sm = heapq.heappop(free)
+            start = max(f, ready)
+            t.sm = sm
+            done = start + t.cost_us
+            heapq.heappush(free, (done, sm))
+            queues[(0, sm)].append(tid)
+            end = max(end, done)
+        finish[u.name] = end
+    sched.events = events
+    sched.queues = {k: v for k, v in queues.items() if v}
+    step = max(finish.values(), default=0.0)
+    sched.meta["predicted_step_us"] = f"{step:.3f}"
+    prog.notes["unit_finish_us"] = finish
+    prog.notes["scheduled"] = True
+    log(prog.opts, "schedule", f"{len(sched.tasks)} tasks on {len(sched.queues)} SMs, "
+        f"{len(events)} events, predicted step {step:.1f} us")
+    return True
