@@ -30,6 +30,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from .parser import FirSyntaxError, parse_fir
 from .printer import print_graph
 from .schedule import Event, Instr, InstrKind, Region, Schedule, Scope, Sem, Task
+from .types import DType, Kind, TensorType
 
 GRAMMAR = Path(__file__).with_name("schedule.lark")
 _HEADER = re.compile(r"^schedule\b", re.M)
@@ -71,10 +72,14 @@ def _cost(c: float) -> str:
 def print_schedule(s: Schedule) -> str:
     """Canonical text: the graph, then events, tasks (by id) and queues (by rank, sm)."""
     dims = ", ".join(f"{k} = {v}" for k, v in s.dims.items())
+    rep = " replicated" if getattr(s, "replicated", False) else ""
     out = [print_graph(s.graph).rstrip("\n"),
-           f"schedule {s.graph.name} ranks = {s.ranks} sms = {s.sms} dims({dims}) {{"]
+           f"schedule {s.graph.name} ranks = {s.ranks} sms = {s.sms} dims({dims}){rep} {{"]
     for k, v in s.meta.items():
         out.append(f"  meta {k} = {json.dumps(v)}")
+    for name, ty in getattr(s, "buffers", {}).items():
+        shape = ", ".join(str(d) for d in ty.shape)
+        out.append(f"  buffer %{name} : {ty.kind.value} {ty.dtype.value}[{shape}]")
     for e in s.events:
         out.append(f"  event {e.id} rank {e.rank} {json.dumps(e.name)} per_step {e.per_step}")
     for t in s.tasks:
@@ -131,6 +136,7 @@ def _var(tok) -> str:
 class _Builder:
     def __init__(self, filename: str, graph):
         self.filename, self.graph = filename, graph
+        self.buffers: dict = {}
 
     def err(self, node, msg: str) -> ScheduleSyntaxError:
         meta = getattr(node, "meta", None)
@@ -144,6 +150,10 @@ class _Builder:
             raise self.err(name, f"schedule '{name}' does not match graph '{self.graph.name}'")
         dims = {str(b.children[0]): int(b.children[1]) for b in dimbind.children}
         s = Schedule(self.graph, dims, int(ranks), int(sms), [], [], {}, {})
+        s.replicated = bool(items) and getattr(items[0], "type", None) == "REPLICATED"
+        s.buffers = {}
+        if s.replicated:
+            items = items[1:]
         for it in items:
             getattr(self, it.data)(s, it)
         for i, task in enumerate(s.tasks):
@@ -154,6 +164,10 @@ class _Builder:
 
     def meta(self, s, t):
         s.meta[str(t.children[0])] = json.loads(t.children[1])
+
+    def buffer(self, s, t):
+        var, kind, dtype, *shape = t.children
+        s.buffers[_var(var)] = self.buffers[_var(var)] = TensorType(tuple(int(d) for d in shape), DType(str(dtype)), Kind(str(kind)))
 
     def event(self, s, t):
         eid, rank, name, per = t.children
@@ -182,7 +196,7 @@ class _Builder:
     def region(self, t) -> Region:
         var, box, *at = t.children
         name = _var(var)
-        if not self.graph.has_value(name):
+        if not self.graph.has_value(name) and name not in self.buffers:
             raise self.err(var, f"unknown tensor %{name}")
         return Region(name, self.box(box), int(at[0].children[0]) if at else None)
 

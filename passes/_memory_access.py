@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from fusec.ir import schedule as schedule_mod
 from fusec.ir.schedule import Event, InstrKind, Region, Schedule, Task
 from fusec.ir.types import Kind
 
@@ -26,13 +25,12 @@ def region_str(r: Region | None, rank: int | None = None) -> str:
 
 
 def expand_ranks(s: Schedule) -> Schedule:
-    """Every rank's tasks. A compact SPMD schedule (ranks > 1, only rank 0 stored) is expanded
-    by symmetry: rank r runs rank 0's tasks with every rank reference rotated by r."""
-    if s.ranks <= 1 or any(t.rank != 0 for t in s.tasks) or any(k[0] != 0 for k in s.queues):
+    """Every rank's tasks. A replicated (SPMD) schedule stores rank 0 only; rank r runs the same
+    tasks with every rank reference rotated by r (`Schedule.materialize`)."""
+    if not getattr(s, "replicated", False):
         return s
-    mat = getattr(schedule_mod, "materialize", None)
-    if mat is not None:
-        return mat(s)
+    if hasattr(s, "materialize"):
+        return s.materialize()
     R, n = s.ranks, len(s.tasks)
     tasks, queues, events = [], {}, []
     for r in range(R):
@@ -45,25 +43,63 @@ def expand_ranks(s: Schedule) -> Schedule:
         for (_, sm), ids in s.queues.items():
             queues[(r, sm)] = [i + r * n for i in ids]
         events += [Event(e.id, r, e.name, e.per_step) for e in s.events]
-    return Schedule(s.graph, s.dims, R, s.sms, tasks, events, queues, dict(s.meta))
+    out = Schedule(s.graph, s.dims, R, s.sms, tasks, events, queues, dict(s.meta))
+    out.buffers = dict(getattr(s, "buffers", {}))
+    return out
 
 
 class BufferMap:
-    """value name -> (buffer root name, version, kind of the root)."""
+    """value name -> (buffer root name, version); buffer -> kind; per task, the version of each
+    buffer it reads and writes (regions name the storage, e.g. a state's own name for its
+    in-place update, so the version comes from the task's ops)."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, buffers=None):
         self.root: dict[str, tuple[str, int]] = {v.name: (v.name, 0) for v in graph.params}
         self.kind = {v.name: v.kind for v in graph.params}
         self.inputs = {v.name for v in graph.params if v.kind is Kind.io}
+        self.producer = {}
         for op in graph.ops:
             al = op.opdef.aliases
             for k, v in enumerate(op.outputs):
+                self.producer[v.name] = op
                 if k in al:
                     b, ver = self.root[op.inputs[al[k]].name]
                     self.root[v.name] = (b, ver + 1)
                 else:
                     self.root[v.name] = (v.name, 0)
                     self.kind[v.name] = v.kind
+        for name, ty in (buffers or {}).items():
+            self.root.setdefault(name, (name, 0))
+            self.kind.setdefault(name, ty.kind)
+        self._task_versions: dict = {}
+
+    def task_versions(self, task) -> tuple[dict, dict]:
+        """(buffer -> version the task's ops read, buffer -> version they write)."""
+        key = task.ops
+        hit = self._task_versions.get(key)
+        if hit is None:
+            ops = [self.producer[n] for n in task.ops if n in self.producer]
+            made = {v.name for op in ops for v in op.outputs}
+            rd, wr = {}, {}
+            for op in ops:
+                for v in op.inputs:
+                    if v.name not in made:
+                        b, ver = self.root[v.name]
+                        rd[b] = min(rd.get(b, ver), ver)
+                for v in op.outputs:
+                    b, ver = self.root[v.name]
+                    wr[b] = max(wr.get(b, ver), ver)
+            hit = self._task_versions[key] = (rd, wr)
+        return hit
+
+    def access(self, task, name: str, store: bool) -> tuple[str, int]:
+        """(buffer, version) of a region name in a task: an in-place result's own name gives
+        its version; a storage name takes the version the task's ops read or write."""
+        buf, ver = self.root[name]
+        if ver == 0:
+            rd, wr = self.task_versions(task)
+            ver = (wr if store else rd).get(buf, 0)
+        return buf, ver
 
 
 @dataclass(eq=False)
@@ -100,7 +136,7 @@ def _inter(a, b) -> int:
 class Access:
     def __init__(self, s: Schedule, hb):
         self.s, self.hb = s, hb
-        self.bm = BufferMap(s.graph)
+        self.bm = BufferMap(s.graph, getattr(s, "buffers", {}))
         self.loads: list[Acc] = []
         self.stores: dict[tuple[int, str], list[Acc]] = defaultdict(list)
         for t in s.tasks:
@@ -110,7 +146,7 @@ class Access:
             for k, i in enumerate(t.instrs):
                 if i.kind not in (InstrKind.LOAD, InstrKind.STORE) or vcs[k] is None:
                     continue
-                buf, ver = self.bm.root[i.region.tensor]
+                buf, ver = self.bm.access(t, i.region.tensor, i.kind is InstrKind.STORE)
                 kind = self.bm.kind[buf]
                 a = Acc(t, k, i.region, t.rank if i.region.rank is None else i.region.rank, buf, ver, kind,
                         buf in self.bm.inputs and ver == 0, ver > 0 or kind in (Kind.act, Kind.comm))
