@@ -25,7 +25,7 @@ FP32_TOL = 1e-5
 # One bf16 rounding is <= 2^-9 relative; a tiny K3 step stores ~40 activations per layer on the
 # path to the logits (9 layers, plus 8 steps of KDA state and cache carrying earlier roundings),
 # and the decay gate multiplies the error of f by exp(A_log) <= 16. Measured max over 8 steps for
-# seeds 1..3: 0.04-0.07. 0.15 leaves 2x headroom; a wrong op or weight gives errors of order 1.
+# seeds 1..5: 0.04-0.08. 0.15 leaves 2x headroom; a wrong op or weight gives errors of order 1.
 BF16_TOL = 0.15
 
 
@@ -73,6 +73,8 @@ def test_k3_fp32_matches_independent(offsets, overrides):
 def test_k3_bf16_close_to_fp32_independent():
     # top-k = all experts: with top-4 of 32, bf16 rounding legitimately flips near-tied routing
     # choices (seen at layer 1 of step 0), a discrete O(1) change that says nothing about the ops.
+    # bf16 experts: with all 32 experts active the executor's per-expert MXFP4 dequant would take
+    # most of the run; MXFP4 experts are covered by the fp32 test above.
     cfg = kimi_k3.get_config("tiny")
     errs = []
 
@@ -84,5 +86,5 @@ def test_k3_bf16_close_to_fp32_independent():
         top2 = want.topk(2, -1).values
         sure = (top2[:, 0] - top2[:, 1]) > 2 * BF16_TOL * want.abs().max()
         assert torch.equal(nxt.long()[sure], want.argmax(-1)[sure]), f"step {t}: confident greedy token differs"
-    _run(2, "bf16", (0, 3, 7), check, topk=cfg.experts)
-    assert max(errs) > 0, "bf16 run is bit-identical to fp32: precision was not applied"
+    _run(2, "bf16", (0, 3, 7), check, topk=cfg.experts, expert_dtype="bf16")
+    assert max(errs) > 1e-3, "bf16 run is as exact as fp32: bf16 storage was not applied"
