@@ -163,7 +163,7 @@ class RandomOrderRunner:
         while True:
             runnable = []
             for q in range(nq):
-                if step[q] >= self.steps or step[q] != rstep[rank_of[q]]:
+                if step[q] >= self.steps or step[q] != rstep[rank_of[q]] or not s.queues[self.qkeys[q]]:
                     continue
                 task = s.tasks[s.queues[self.qkeys[q]][pos[q]]]
                 ins = task.instrs[idx[q]] if idx[q] < len(task.instrs) else None

@@ -1,0 +1,265 @@
+"""Plant one synchronization bug in a schedule, to prove the verifier and the randomized
+executor catch it: `plant(schedule, kind, seed) -> (mutated schedule, description)`.
+
+Candidates are picked structurally (by which queue a producer sits on), never by asking the
+verifier, so "every planted bug is rejected" is a real test of the verifier. Replicated
+schedules are mutated in rank 0's task list, i.e. on every rank at once, except
+`grid_differs`, which materializes the ranks and changes rank 1 only. A kind the schedule has
+no site for raises `MutationSkipped` with the reason.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import random
+from dataclasses import dataclass, replace
+
+from fusec.ir.schedule import InstrKind, Schedule
+from fusec.ir.types import Kind
+
+
+class Mutation(enum.Enum):
+    hoist_act_load = "hoist_act_load"          # a non-weight LOAD moved above its WAIT
+    hoist_addressed_load = "hoist_addressed_load"  # a router-addressed weight LOAD above its WAIT
+    drop_wait = "drop_wait"                    # a WAIT removed
+    early_signal = "early_signal"              # a SIGNAL moved before the task's last STORE
+    threshold_low = "threshold_low"            # a full WAIT's threshold - 1
+    threshold_high = "threshold_high"          # a WAIT's threshold + 1
+    comm_reuse = "comm_reuse"                  # the ack wait guarding a peer's comm slot removed
+    deadlock_order = "deadlock_order"          # a signaler queued behind the task that waits for it
+    grid_differs = "grid_differs"              # rank 1's queues differ from rank 0's
+
+
+@dataclass(frozen=True)
+class Expect:
+    rule: str              # the verifier rule that must reject it
+    changes_values: bool   # the randomized executor must see it (poison, mismatch or deadlock)
+
+
+EXPECT = {
+    Mutation.hoist_act_load: Expect("V2", True),
+    Mutation.hoist_addressed_load: Expect("V3", True),
+    Mutation.drop_wait: Expect("V1", True),
+    Mutation.early_signal: Expect("V6", True),
+    Mutation.threshold_low: Expect("V1", True),
+    Mutation.threshold_high: Expect("V5", True),
+    Mutation.comm_reuse: Expect("V4", True),
+    Mutation.deadlock_order: Expect("V5", True),
+    Mutation.grid_differs: Expect("V7", False),
+}
+
+
+class MutationSkipped(ValueError):
+    """The schedule has no site for this kind of bug (the message says why)."""
+
+
+def plant(schedule: Schedule, kind: Mutation | str, seed: int = 0) -> tuple[Schedule, str]:
+    kind = Mutation(kind)
+    s = _copy(schedule)
+    rng = random.Random(seed)
+    return s, _PLANT[kind](s, rng)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _copy(s: Schedule) -> Schedule:
+    out = copy.copy(s)
+    out.tasks = [replace(t, instrs=list(t.instrs)) for t in s.tasks]
+    out.queues = {k: list(v) for k, v in s.queues.items()}
+    out.events = [replace(e) for e in s.events]
+    out.meta = dict(s.meta)
+    return out
+
+
+def _queue_of(s: Schedule) -> dict[int, tuple[int, int]]:
+    return {tid: key for key, ids in s.queues.items() for tid in ids}
+
+
+def _kind(s: Schedule, name: str) -> Kind:
+    bufs = getattr(s, "buffers", {})
+    if name in bufs:
+        return bufs[name].kind
+    return s.graph.value(name).kind if s.graph.has_value(name) else Kind.act
+
+
+def _writers(s: Schedule) -> dict[str, set[int]]:
+    w: dict[str, set[int]] = {}
+    for t in s.tasks:
+        for i in t.stores():
+            w.setdefault(i.region.tensor, set()).add(t.id)
+    return w
+
+
+def _signalers(s: Schedule) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for t in s.tasks:
+        for i in t.instrs:
+            if i.kind is InstrKind.SIGNAL and (i.peer is None or i.peer == t.rank):
+                out.setdefault(i.event, set()).add(t.id)
+    return out
+
+
+def _pick(rng, items, why: str):
+    if not items:
+        raise MutationSkipped(why)
+    return rng.choice(sorted(items, key=repr))
+
+
+def _hoist_sites(s: Schedule, want_addressed: bool):
+    """(task, load index, first wait index) where the load's data (or address) is produced
+    on another queue, so only the task's waits order it."""
+    q, writers = _queue_of(s), _writers(s)
+    sites = []
+    for t in s.tasks:
+        waits = [k for k, i in enumerate(t.instrs) if i.kind is InstrKind.WAIT]
+        if not waits:
+            continue
+        for k, i in enumerate(t.instrs):
+            if i.kind is not InstrKind.LOAD or k < waits[0]:
+                continue
+            if want_addressed:
+                src = i.addressed_by
+                if not src or _kind(s, i.region.tensor) is not Kind.weight:
+                    continue
+                src = s.graph.value(src).name if s.graph.has_value(src) else src
+            else:
+                src = i.region.tensor
+                if i.addressed_by or _kind(s, src) in (Kind.weight, Kind.io) or i.region.rank is not None:
+                    continue
+            prods = writers.get(src, set()) - {t.id}
+            if prods and any(q.get(p) != q.get(t.id) for p in prods):
+                sites.append((t.id, k, waits[0]))
+    return sites
+
+
+def _hoist(s: Schedule, rng, addressed: bool) -> str:
+    what = "router-addressed weight" if addressed else "activation"
+    tid, k, w = _pick(rng, _hoist_sites(s, addressed), f"no {what} load after a wait whose producer is on another SM")
+    t = s.tasks[tid]
+    ins = t.instrs.pop(k)
+    t.instrs.insert(w, ins)
+    return f"task {tid}: {what} load of %{ins.region.tensor} hoisted above its wait e{t.instrs[w + 1].event}"
+
+
+# -- the kinds -----------------------------------------------------------------------------------
+def _hoist_act(s, rng):
+    return _hoist(s, rng, False)
+
+
+def _hoist_addr(s, rng):
+    return _hoist(s, rng, True)
+
+
+def _drop_wait(s, rng):
+    q, sig = _queue_of(s), _signalers(s)
+    sites = []
+    for tid, k, w in _hoist_sites(s, False):
+        t = s.tasks[tid]
+        waits = [j for j, i in enumerate(t.instrs) if i.kind is InstrKind.WAIT and i.peer is None]
+        if len(waits) == 1 and any(q.get(p) != q.get(tid) for p in sig.get(t.instrs[waits[0]].event, ())):
+            sites.append((tid, waits[0]))
+    tid, j = _pick(rng, set(sites), "no task ordered by a single local wait")
+    ins = s.tasks[tid].instrs.pop(j)
+    return f"task {tid}: wait e{ins.event} >= {ins.threshold} dropped"
+
+
+def _early_signal(s, rng):
+    sites = []
+    for t in s.tasks:
+        stores = [k for k, i in enumerate(t.instrs) if i.kind is InstrKind.STORE]
+        sigs = [k for k, i in enumerate(t.instrs) if i.kind is InstrKind.SIGNAL]
+        if stores and sigs and sigs[0] > stores[-1]:
+            sites.append((t.id, sigs[0], stores[0]))
+    tid, k, first = _pick(rng, sites, "no task signals after a store")
+    t = s.tasks[tid]
+    ins = t.instrs.pop(k)
+    t.instrs.insert(first, ins)
+    return f"task {tid}: signal e{ins.event} moved before its stores"
+
+
+def _full_waits(s: Schedule):
+    counts: dict[tuple, int] = {}
+    for t in s.tasks:
+        for i in t.instrs:
+            if i.kind is InstrKind.SIGNAL:
+                key = ((i.peer - t.rank) % s.ranks if i.peer is not None else 0, i.event)
+                counts[key] = counts.get(key, 0) + 1
+    out = []
+    for t in s.tasks:
+        for k, i in enumerate(t.instrs):
+            if i.kind is InstrKind.WAIT and i.threshold > 0:
+                key = ((i.peer - t.rank) % s.ranks if i.peer is not None else 0, i.event)
+                if i.threshold >= counts.get(key, 0) > 0:
+                    out.append((t.id, k))
+    return out
+
+
+def _threshold(s, rng, delta: int):
+    sites = _full_waits(s)
+    if delta < 0:   # only waits that order a load produced on another queue
+        hoists = {(tid, w) for tid, _, w in _hoist_sites(s, False)}
+        sites = [x for x in sites if x in hoists]
+    tid, k = _pick(rng, sites, "no wait for all signals of an event")
+    t = s.tasks[tid]
+    ins = t.instrs[k]
+    t.instrs[k] = replace(ins, threshold=ins.threshold + delta)
+    return f"task {tid}: wait e{ins.event} threshold {ins.threshold} -> {ins.threshold + delta}"
+
+
+def _comm_reuse(s, rng):
+    if s.ranks < 2:
+        raise MutationSkipped("one rank: no comm buffers")
+    sites = []
+    for t in s.tasks:
+        stores_peer = any(i.kind is InstrKind.STORE and i.region.rank not in (None, t.rank) for i in t.instrs)
+        for k, i in enumerate(t.instrs):
+            if stores_peer and i.kind is InstrKind.WAIT and i.threshold == 0:
+                sites.append((t.id, k))
+    tid, k = _pick(rng, sites, "no peer write guarded by an ack wait (threshold 0)")
+    ins = s.tasks[tid].instrs.pop(k)
+    return f"task {tid}: ack wait e{ins.event} >= 0 before a peer comm write dropped"
+
+
+def _deadlock(s, rng):
+    q, sig = _queue_of(s), _signalers(s)
+    sites = []
+    for tid, k in _full_waits(s):
+        t = s.tasks[tid]
+        i = t.instrs[k]
+        if i.peer is None:
+            for p in sig.get(i.event, ()):
+                if q.get(p) != q.get(tid) and q.get(p) is not None:
+                    sites.append((tid, p))
+    waiter, sgn = _pick(rng, set(sites), "no wait on a signaler of another SM")
+    s.queues[q[sgn]].remove(sgn)
+    wq = s.queues[q[waiter]]
+    wq.insert(wq.index(waiter) + 1, sgn)
+    s.tasks[sgn] = replace(s.tasks[sgn], sm=q[waiter][1])
+    return f"task {sgn} (signaler) queued behind task {waiter}, which waits for it, on sm {q[waiter][1]}"
+
+
+def _grid(s, rng):
+    if s.ranks < 2:
+        raise MutationSkipped("one rank: no other rank's grid to differ")
+    m = s.materialize() if getattr(s, "replicated", False) else s
+    keys = sorted(k for k in m.queues if k[0] == 1 and m.queues[k])
+    if len(keys) < 2:
+        raise MutationSkipped("rank 1 uses fewer than two SMs")
+    a, b = rng.sample(keys, 2)
+    tid = m.queues[a].pop()
+    m.queues[b].append(tid)
+    m.tasks[tid] = replace(m.tasks[tid], sm=b[1])
+    s.__dict__.update(m.__dict__)
+    return f"rank 1: task {tid} moved from sm {a[1]} to the end of sm {b[1]}"
+
+
+_PLANT = {
+    Mutation.hoist_act_load: _hoist_act,
+    Mutation.hoist_addressed_load: _hoist_addr,
+    Mutation.drop_wait: _drop_wait,
+    Mutation.early_signal: _early_signal,
+    Mutation.threshold_low: lambda s, rng: _threshold(s, rng, -1),
+    Mutation.threshold_high: lambda s, rng: _threshold(s, rng, +1),
+    Mutation.comm_reuse: _comm_reuse,
+    Mutation.deadlock_order: _deadlock,
+    Mutation.grid_differs: _grid,
+}
