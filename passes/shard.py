@@ -69,10 +69,21 @@ def run(prog: Program) -> bool:
         return False
     if any(Trait.collective in op.opdef.traits for op in prog.graph.ops):
         raise ShardError("shard: the graph already has collectives (sharded twice?)")
+    _check_heads(prog.graph, R)
     prog.graph = _Sharder(prog, R).run()
     _split_cut_groups(prog)
     prog.notes["ranks"] = R
     return True
+
+
+def _check_heads(g: Graph, R: int) -> None:
+    """Heads are the unit of tensor parallelism for the mixers: say so before any width check."""
+    for op in g.ops:
+        for attr in ("heads", "kv_heads"):
+            h = op.attrs.get(attr)
+            if isinstance(h, int) and h % R:
+                raise ShardError(f"shard: {op.opname} %{op.outputs[0].name} has {h} {attr.replace('_', ' ')}, "
+                                 f"which {R} ranks cannot split: use a rank count that divides {h}")
 
 
 def linear_plan(weight_name: str) -> str:
@@ -160,7 +171,11 @@ class _Sharder:
     # -- emitting ---------------------------------------------------------------------------------
     def emit(self, opname: str, inputs: list[Value], attrs: dict, names: list[str] | None = None,
              group=None) -> list[Value]:
-        names = names or None
+        if names is None:       # a conversion: named after what it converts, e.g. %l3.o_proj.all_reduce
+            base = f"{inputs[0].name}.{opname}"
+            names, i = [base], 1
+            while self.g.has_value(names[0]) or self.src.has_value(names[0]):
+                names, i = [f"{base}.{i}"], i + 1
         return self.g.add_op(opname, inputs, attrs, names=names, group=group)
 
     def copy_op(self, op: Op, inputs: list[Value], attrs: dict | None = None, layouts=None) -> list[Value]:
