@@ -180,10 +180,22 @@ def test_k3_tiny_graph_pipeline(ranks):
     check_same_numerics(g, parse_fir(text), ranks, {"B": 2, "L": 8}, rules=kimi_k3.WEIGHT_INIT)
 
 
-def test_llama_tiny_shard():
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_llama_tiny_graph_pipeline(ranks):
     llama = pytest.importorskip("fusec.models.llama")
-    g = llama.build_graph("tiny")
-    for ranks in (2, 4):
-        prog = Program(g.copy(), Options(ranks=ranks))
+    # tiny has 2 KV heads; KV heads are split, not replicated, so R = 4 uses a 4-KV-head variant
+    g = llama.build_graph("tiny", **({"kv_heads": 4} if ranks == 4 else {}))
+    prog = Program(g.copy(), Options(ranks=ranks))
+    run_pipeline(prog, ["canonicalize", "fuse", "shard"])
+    # o_proj and down_proj are row-parallel in every layer (the tied lm_head stays replicated)
+    assert sum(op.opname == "all_reduce" for op in prog.graph.ops) == 2 * len(
+        [op for op in g.ops if op.opname == "attention"])
+    check_same_numerics(g, parse_fir(print_graph(prog.graph)), ranks, {"B": 2, "L": 8},
+                        rules=getattr(llama, "WEIGHT_INIT", ()))
+
+
+def test_llama_tiny_refuses_more_ranks_than_kv_heads():
+    llama = pytest.importorskip("fusec.models.llama")
+    prog = Program(llama.build_graph("tiny"), Options(ranks=4))
+    with pytest.raises(PassError, match="has 2 kv heads, which 4 ranks cannot split"):
         run_pipeline(prog, ["canonicalize", "fuse", "shard"])
-        check_same_numerics(g, prog.graph, ranks, {"B": 2, "L": 8}, rules=getattr(llama, "WEIGHT_INIT", ()))
