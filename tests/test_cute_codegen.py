@@ -108,3 +108,38 @@ def test_planted_relaxed_spin_fails_audit(cutlass_available, tmp_path):
     rep = audit_plan(dataclasses.replace(small_plan(), relaxed_spin=True), tmp_path)
     assert not rep.ok
     assert any(v.startswith("P1") for v in rep.violations)
+
+
+def test_all_bodies_compile_for_sm90a_and_pass_audit(cutlass_available, tmp_path, capsys):
+    """Every opcode in one kernel (the K3 set), CPU compile to sm_90a PTX; prints the compile time."""
+    import time
+
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    plan = KernelPlan(tasks=(TaskRow(Opcode.NOP, 0),), queues=((0,),), num_events=1, threads=1024,
+                      extra_opcodes=tuple(Opcode), name="all_bodies")
+    t0 = time.time()
+    rep = audit_plan(plan, tmp_path)
+    with capsys.disabled():
+        print(f"\n[cute] all {len(plan.opcodes)} bodies, batch 1: compile + audit {time.time() - t0:.1f} s")
+    assert rep.ok, rep.violations
+    ptx = next(tmp_path.rglob("*.ptx")).read_text()
+    assert ".target sm_90a" in ptx
+    assert "tanh.approx.f32" in ptx or "ex2.approx" in ptx  # SiTU-GLU / sigmoid math emitted
+    assert "shfl.sync.bfly" in ptx  # router argmax and warp reductions
+    assert "cvt.f32.f16" in ptx  # MXFP4 f16 decode
+
+
+def test_expert_and_ew_rows_encode_subops():
+    from fusec.backends.cute.plan import EwOp, ExpertMode, f32_pair
+
+    row = TaskRow(Opcode.EXPERT_MXFP4, 3, a4=64, a7=128, sub=ExpertMode.DOWN, p0=2, p1=16, n1=4, k=64,
+                  ldx=1024, ldy=8).words()
+    assert row[Word.A4] == 64 and row[Word.A7] == 128 and row[Word.SUB] == ExpertMode.DOWN
+    assert row[Word.P0] == 2 and row[Word.P1] == 16
+    aux = f32_pair(0.5, 1e-6)
+    assert aux & 0xFFFFFFFF == 0x3F000000 and (aux >> 32) == 0x358637BD
+    assert TaskRow(Opcode.EW, 0, sub=EwOp.CONV).words()[Word.SUB] == 6
+    with pytest.raises(ValueError, match="router needs"):
+        KernelPlan(tasks=(TaskRow(Opcode.ROUTER, 0, n1=1, k=5000, p0=16),), queues=((0,),), num_events=1,
+                   threads=1024)

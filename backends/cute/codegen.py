@@ -18,7 +18,8 @@ import types
 
 import jinja2
 
-from .plan import ERR_WORDS, ROW_WORDS, ErrWord, KernelPlan, Word
+from .plan import (ERR_WORDS, ROUTER_MAX_TOPK, ROUTER_PER_THREAD, ROW_WORDS, ErrWord, EwOp,
+                   ExpertMode, F32Flag, KernelPlan, Word)
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
 DEFAULT_ARCH = "sm_90a"
@@ -40,6 +41,11 @@ def render(plan: KernelPlan) -> str:
         err_fields=list(ErrWord),
         row_words=ROW_WORDS,
         err_words=ERR_WORDS,
+        ew_ops=list(EwOp),
+        expert_modes=list(ExpertMode),
+        f32_flags=list(F32Flag),
+        router_per_thread=ROUTER_PER_THREAD,
+        router_max_topk=ROUTER_MAX_TOPK,
     )
 
 

@@ -27,7 +27,15 @@ queue[c, 0] .. queue[c, 1] - 1 (queue is int32 [num_ctas, 2]). Word layout of on
   12    K              reduction length (GEMV) or hidden size (RMSNORM)
   13    LDX            row stride of the activation operand, in elements
   14    LDY            row stride of the output, in elements
-  15    AUX            opcode-specific scalar (RMSNORM: float32 bits of eps)
+  15    AUX            opcode-specific scalar (RMSNORM: float32 bits of eps; EW/ROUTER: `f32_pair`)
+  16    A4             EXPERT_*: router ids int32 [B, P1]
+  17    A5             EXPERT_*: second weight (up, GLU mode)
+  18    A6             EXPERT_MXFP4: scales of the second weight
+  19    A7             EXPERT_*: routing weights fp32 [B, P1] (DOWN mode)
+  20    SUB            sub-opcode (`ExpertMode` for EXPERT_*, `EwOp` for EW)
+  21    P0             EXPERT_*: slot j (GLU); EW: row stride of operand A1; ROUTER: top-k
+  22    P1             EXPERT_*: top-k (row stride of ids/weights); EW: `F32Flag` bits
+  23    P2             EW: head_dim (L2_NORM, GATED_RMS, KDA_GATE per head), conv width (CONV)
 
 Events are int32 counters that only grow: nothing is reset between steps, so one launch per
 step (or one CUDA-graph replay) is enough. A task that needs several waits is preceded in its
@@ -40,7 +48,7 @@ import enum
 import struct
 from typing import Sequence
 
-ROW_WORDS = 16
+ROW_WORDS = 24
 H200_SMS = 132
 NO_EVENT = -1
 
@@ -64,6 +72,14 @@ class Word(enum.IntEnum):
     LDX = 13
     LDY = 14
     AUX = 15
+    A4 = 16
+    A5 = 17
+    A6 = 18
+    A7 = 19
+    SUB = 20
+    P0 = 21
+    P1 = 22
+    P2 = 23
 
 
 class ErrWord(enum.IntEnum):
@@ -92,12 +108,74 @@ class Opcode(enum.IntEnum):
                bit 3 = sign), A3 = e8m0 scales u8 [N, K/32] (value 2^(byte-127)).
     RMSNORM    out[b, :] = x[b, :] * rsqrt(mean(x[b, :]^2) + eps) * gamma for b in [N0, N1);
                A0 = x bf16 [.., LDX], A1 = gamma bf16 [K], A2 = out bf16 [.., LDY], AUX = eps.
+
+    EXPERT_BF16  routed expert GEMV, expert id read from A4 at run time after the wait (V3).
+               Weight rows of expert e start at A0 + e * AUX rows (AUX = rows per expert).
+               GLU mode: h[b, n] = situ_glu(x[b].Wg[e, n], x[b].Wu[e, n]) with e = ids[b, P0],
+               Wg = A0, Wu = A5, x = A1 [B, LDX], h = A2 [B, LDY] bf16 (A2 points at slot P0).
+               DOWN mode: out[b, n] = sum_j rw[b, j] * h[b, j].W[ids[b, j], n] in fp32
+               (moe_down + moe_combine), h row (b, j) at A1 + (b * LDX + j * K), rw = A7 fp32,
+               out = A2 fp32 [B, LDY]. P1 = top-k. Ids < 0 (other EP rank) contribute zero.
+    EXPERT_MXFP4 same with MXFP4 weights; A3 / A6 = e8m0 scales of A0 / A5.
+    EW         elementwise / per-head epilogues, sub-opcode `EwOp` in SUB, columns N0..N1 of every
+               batch row: A0 = a [B, LDX], A1 = b [B, P0] (P0 = 0 broadcasts a vector),
+               A2 = out [B, LDY], A3 = third operand (conv weight, A_log, norm weight);
+               P1 = `F32Flag` dtype bits (else bf16), P2 = head_dim / conv width,
+               AUX = f32_pair(scale, eps).
+    ROUTER     one token per row b in N0..N1: scores = sigmoid(logits A0 [B, LDX] (F32Flag.A0)),
+               top-P0 of scores + bias (A1 fp32 [K]), weights = scores[ids] / sum * scale
+               (AUX = f32_pair(scale, 0)) -> A2 fp32 [B, LDY], ids -> A3 int32 [B, LDY].
+               K = number of experts (<= ROUTER_PER_THREAD * threads), P0 = top-k (<= 32).
     """
 
     NOP = 0
     GEMV_BF16 = 1
     GEMV_MXFP4 = 2
     RMSNORM = 3
+    EXPERT_BF16 = 4
+    EXPERT_MXFP4 = 5
+    EW = 6
+    ROUTER = 7
+
+
+class ExpertMode(enum.IntEnum):
+    """SUB word of EXPERT_* rows."""
+
+    GLU = 0    # fused gate/up + SiTU-GLU for slot P0
+    DOWN = 1   # down projection + weighted fp32 combine over all top-k slots
+
+
+class EwOp(enum.IntEnum):
+    """SUB word of EW rows (registry op in brackets)."""
+
+    ADD = 0          # a + b                                   [add]
+    SIGMOID_MUL = 1  # a * sigmoid(b)                          [sigmoid_mul]
+    SITU_GLU = 2     # situ_glu(gate=a, up=b)                  [situ_glu]
+    SILU_MUL = 3     # silu(a) * b                             [silu_mul]
+    SIGMOID = 4      # sigmoid(a)                              [sigmoid]
+    KDA_GATE = 5     # -5 sigmoid(exp(A3[c // P2]) (a + b))    [kda_gate], b = dt_bias (P0 = 0)
+    CONV = 6         # silu(sum_i state[i] w[c, i] + a w[c, W-1]), state (A1, [B, C, W-1]) shifted
+                     # in place, w = A3 [C, W], P2 = W, P0 = state batch stride   [conv_update]
+    L2_NORM = 7      # per head of P2: a * rsqrt(sum a^2 + eps) * scale          [l2_norm]
+    GATED_RMS = 8    # per head of P2: rms(a) * A3[c % P2] * sigmoid(b)          [gated_rms_norm]
+
+
+# EW sub-opcodes handled one warp per head (a reduction), the rest one thread per element.
+EW_PER_HEAD = (EwOp.L2_NORM, EwOp.GATED_RMS)
+
+
+class F32Flag(enum.IntFlag):
+    """P1 bits of EW rows (and bit A0 of ROUTER rows): operand is fp32, else bf16."""
+
+    A0 = 1
+    A1 = 2
+    OUT = 4
+    A3 = 8
+
+
+# ROUTER: scores each thread keeps in registers (experts <= ROUTER_PER_THREAD * threads).
+ROUTER_PER_THREAD = 4
+ROUTER_MAX_TOPK = 32
 
 
 # Elements per 16-byte vector load of bf16 data; GEMV and RMSNORM need K % VEC == 0.
@@ -111,6 +189,11 @@ def f32_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
+def f32_pair(lo: float, hi: float = 0.0) -> int:
+    """AUX word holding two float32: lo in bits 0..31 (e.g. scale), hi in bits 32..63 (eps)."""
+    return (f32_bits(hi) << 32) | (f32_bits(lo) & 0xFFFFFFFF)
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskRow:
     """One task. Addresses are raw device pointers (tensor.data_ptr()), 16-byte aligned."""
@@ -121,6 +204,14 @@ class TaskRow:
     a1: int = 0
     a2: int = 0
     a3: int = 0
+    a4: int = 0
+    a5: int = 0
+    a6: int = 0
+    a7: int = 0
+    sub: int = 0
+    p0: int = 0
+    p1: int = 0
+    p2: int = 0
     n0: int = 0
     n1: int = 0
     k: int = 0
@@ -144,6 +235,8 @@ class TaskRow:
         w[Word.A0], w[Word.A1], w[Word.A2], w[Word.A3] = self.a0, self.a1, self.a2, self.a3
         w[Word.N0], w[Word.N1], w[Word.K] = self.n0, self.n1, self.k
         w[Word.LDX], w[Word.LDY], w[Word.AUX] = self.ldx, self.ldy, self.aux
+        w[Word.A4], w[Word.A5], w[Word.A6], w[Word.A7] = self.a4, self.a5, self.a6, self.a7
+        w[Word.SUB], w[Word.P0], w[Word.P1], w[Word.P2] = int(self.sub), self.p0, self.p1, self.p2
         return w
 
     def threshold(self, step: int) -> int:
@@ -169,11 +262,14 @@ class KernelPlan:
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
+    mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= 16:
             raise ValueError(f"batch {self.batch} not in 1..16")
+        if self.mxfp4_decode not in ("f16", "lut"):
+            raise ValueError(f"mxfp4_decode {self.mxfp4_decode!r} must be 'f16' or 'lut'")
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads {self.threads} must be a multiple of 32 in 32..1024")
         seen = sorted(i for q in self.queues for i in q)
@@ -183,7 +279,13 @@ class KernelPlan:
             for ev in (t.wait_event, t.signal_event):
                 if ev != NO_EVENT and not 0 <= ev < self.num_events:
                     raise ValueError(f"task {t.task_id}: event {ev} out of range")
-            vec = VEC_MXFP4 if t.opcode == Opcode.GEMV_MXFP4 else VEC_BF16
+            if t.opcode == Opcode.ROUTER and (t.k > ROUTER_PER_THREAD * self.threads
+                                              or not 0 < t.p0 <= ROUTER_MAX_TOPK):
+                raise ValueError(f"task {t.task_id}: router needs experts <= "
+                                 f"{ROUTER_PER_THREAD * self.threads} and 0 < topk <= {ROUTER_MAX_TOPK}")
+            if t.opcode in (Opcode.EW, Opcode.ROUTER):
+                continue  # scalar loads: no vector alignment rules
+            vec = VEC_MXFP4 if t.opcode in (Opcode.GEMV_MXFP4, Opcode.EXPERT_MXFP4) else VEC_BF16
             if t.opcode != Opcode.NOP and (t.k % vec or t.n1 < t.n0 or t.ldx % 8 or t.ldy % 8):
                 raise ValueError(f"task {t.task_id}: K={t.k} must be a multiple of {vec}, "
                                  f"LDX={t.ldx} and LDY={t.ldy} of 8 (16-byte rows), N0 <= N1")

@@ -5,7 +5,8 @@ scheduler fills TaskRow fields (addresses from data_ptr(), element strides, tile
 """
 from __future__ import annotations
 
-from .plan import NO_EVENT, Opcode, TaskRow, f32_bits, split_rows
+from .plan import (NO_EVENT, EwOp, ExpertMode, F32Flag, Opcode, TaskRow, f32_bits, f32_pair,
+                   split_rows)
 
 # E2M1 magnitudes by the low 3 bits of a nibble; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -36,6 +37,103 @@ def rmsnorm_task(x, gamma, out, eps: float, task_id: int, *, wait=(NO_EVENT, 0, 
                    n0=0, n1=x.shape[0], k=x.shape[1], ldx=x.stride(0), ldy=out.stride(0),
                    aux=f32_bits(eps), wait_event=ev, wait_per_step=per_step, wait_offset=off,
                    signal_event=signal)
+
+
+def _wait_kw(wait, signal) -> dict:
+    ev, per_step, off = wait
+    return dict(wait_event=ev, wait_per_step=per_step, wait_offset=off, signal_event=signal)
+
+
+def _mx(w):
+    """(weight data, scales) of a bf16 tensor or an MXFP4Tensor (scales None for bf16)."""
+    return (w.packed, w.scale) if hasattr(w, "packed") else (w, None)
+
+
+def expert_glu_tasks(x, ids, w1, w3, h, tiles_per_slot: int, first_id: int = 0, *,
+                     wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
+    """moe_gate_up: h[b, j, :] = situ_glu(x[b] W1[ids[b, j]]^T, x[b] W3[ids[b, j]]^T).
+
+    x bf16 [B, D]; ids int32 [B, k]; w1, w3 bf16 [E, I, D] or MXFP4Tensor; h bf16 [B, k, I].
+    One task per (slot j, row tile); the rows stream the expert chosen at run time.
+    """
+    (d1, s1), (d3, s3) = _mx(w1), _mx(w3)
+    op = Opcode.EXPERT_MXFP4 if s1 is not None else Opcode.EXPERT_BF16
+    e, inter = d1.shape[0], d1.shape[1]
+    topk = ids.shape[1]
+    rows, tid = [], first_id
+    for j in range(topk):
+        for n0, n1 in split_rows(inter, tiles_per_slot):
+            rows.append(TaskRow(op, tid, a0=d1.data_ptr(), a1=x.data_ptr(), a2=h[:, j].data_ptr(),
+                                a3=s1.data_ptr() if s1 is not None else 0, a4=ids.data_ptr(),
+                                a5=d3.data_ptr(), a6=s3.data_ptr() if s3 is not None else 0,
+                                n0=n0, n1=n1, k=x.shape[1], ldx=x.stride(0), ldy=h.stride(0),
+                                aux=inter, sub=ExpertMode.GLU, p0=j, p1=topk, **_wait_kw(wait, signal)))
+            tid += 1
+    assert e == d3.shape[0]
+    return rows
+
+
+def expert_down_tasks(h, ids, weights, w2, out, tiles: int, first_id: int = 0, *,
+                      wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
+    """moe_down + moe_combine: out[b] = sum_j weights[b, j] h[b, j] W2[ids[b, j]]^T (fp32 out).
+
+    h bf16 [B, k, I] contiguous per row; w2 bf16 [E, D, I] or MXFP4Tensor; out fp32 [B, D].
+    """
+    d2, s2 = _mx(w2)
+    op = Opcode.EXPERT_MXFP4 if s2 is not None else Opcode.EXPERT_BF16
+    assert h.stride(1) == h.shape[2] and h.stride(2) == 1, "h rows must be contiguous"
+    rows = []
+    for i, (n0, n1) in enumerate(split_rows(d2.shape[1], tiles)):
+        rows.append(TaskRow(op, first_id + i, a0=d2.data_ptr(), a1=h.data_ptr(), a2=out.data_ptr(),
+                            a3=s2.data_ptr() if s2 is not None else 0, a4=ids.data_ptr(),
+                            a7=weights.data_ptr(), n0=n0, n1=n1, k=h.shape[2], ldx=h.stride(0),
+                            ldy=out.stride(0), aux=d2.shape[1], sub=ExpertMode.DOWN,
+                            p1=ids.shape[1], **_wait_kw(wait, signal)))
+    return rows
+
+
+def _f32_flag(t, flag) -> int:
+    import torch
+
+    if t is None:
+        return 0
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"EW operands are bf16 or fp32, got {t.dtype}")
+    return int(flag) if t.dtype == torch.float32 else 0
+
+
+def ew_task(sub: EwOp, a, out, task_id: int, *, b=None, c=None, head_dim: int = 1, scale: float = 1.0,
+            eps: float = 0.0, cols=None, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> TaskRow:
+    """One EW task over columns `cols` (default all) of every row of a [B, C] and out [B, C].
+
+    b: second operand [B, C] or a vector [C] (broadcast); for CONV the state [B, C, W-1] (updated
+    in place) and c the weight [C, 1, W]; for KDA_GATE c = A_log (head_dim = per-head broadcast,
+    1 = per channel); for GATED_RMS c = the norm weight [head_dim].
+    """
+    n0, n1 = cols if cols is not None else (0, a.shape[-1])
+    if sub == EwOp.CONV:
+        p2, ldb = c.shape[-1], b.stride(0)
+    else:
+        p2 = head_dim
+        ldb = 0 if (b is None or b.dim() == 1) else b.stride(0)
+    flags = (_f32_flag(a, F32Flag.A0) | _f32_flag(b, F32Flag.A1) | _f32_flag(out, F32Flag.OUT)
+             | _f32_flag(c, F32Flag.A3))
+    return TaskRow(Opcode.EW, task_id, a0=a.data_ptr(), a1=b.data_ptr() if b is not None else 0,
+                   a2=out.data_ptr(), a3=c.data_ptr() if c is not None else 0, n0=n0, n1=n1,
+                   ldx=a.stride(0), ldy=out.stride(0), sub=sub, p0=ldb, p1=flags, p2=p2,
+                   aux=f32_pair(scale, eps), **_wait_kw(wait, signal))
+
+
+def router_tasks(logits, bias, weights, ids, scale: float, first_id: int = 0, *,
+                 wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
+    """router: one task (one CTA) per token; logits [B, E] fp32 or bf16, bias fp32 [E]."""
+    topk = ids.shape[1]
+    assert weights.stride(0) == ids.stride(0), "weights and ids share a row stride"
+    return [TaskRow(Opcode.ROUTER, first_id + b, a0=logits.data_ptr(), a1=bias.data_ptr(),
+                    a2=weights.data_ptr(), a3=ids.data_ptr(), n0=b, n1=b + 1, k=logits.shape[1],
+                    ldx=logits.stride(0), ldy=ids.stride(0), p0=topk,
+                    p1=_f32_flag(logits, F32Flag.A0), aux=f32_pair(scale), **_wait_kw(wait, signal))
+            for b in range(logits.shape[0])]
 
 
 def random_mxfp4(n: int, k: int, device, generator=None):

@@ -1,0 +1,80 @@
+"""GPU tests of the Kimi K3 task bodies (EXPERT_BF16/MXFP4, EW sub-opcodes, ROUTER) against the
+fusec op registry's reference (marked gpu; skipped without CUDA or nvidia-cutlass-dsl).
+
+Small shapes, one kernel per batch size; the expected values come from
+`get_op(name).ref(...)`, never from the kernel. Timing lives in benchmarks/cute_bodies.py.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl==4.8.1 not installed")
+
+from fusec.backends.cute import workloads as wl  # noqa: E402
+from fusec.backends.cute.plan import EwOp, KernelPlan, Opcode, round_robin_queues  # noqa: E402
+from fusec.backends.cute.runtime import Megakernel  # noqa: E402
+from fusec.ir.quant import MXFP4Tensor  # noqa: E402
+from fusec.ir.registry import get_op  # noqa: E402
+
+BF = torch.bfloat16
+
+
+def ref(name, args, **attrs):
+    return get_op(name).ref(list(args), attrs)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_k3_bodies_match_registry(batch):
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    e, d, inter, k = 8, 256, 128, 4
+    # Router: 40 experts, top 4, one expert forced to the top by its bias.
+    logits, bias = r(batch, 40), (0.1 * r(40)).float()
+    bias[7] = 10.0
+    rw, rid = torch.full((batch, k), float("nan"), device="cuda"), torch.full((batch, k), -7, device="cuda",
+                                                                              dtype=torch.int32)
+    tasks = wl.router_tasks(logits, bias, rw, rid, 1.5, 0)
+    # Experts; the last batch row routes slot 1 to "another rank" (-1): its h row must be zero.
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k] for _ in range(batch)]).int()
+    ids[-1, 1] = -1
+    x, cw = r(batch, d).to(BF), torch.rand(batch, k, device="cuda", generator=gen)
+    w1, w3, w2 = ((r(*s) * 0.05).to(BF) for s in ((e, inter, d), (e, inter, d), (e, d, inter)))
+    q = [MXFP4Tensor(*(t.view(e, n, -1) for t in wl.random_mxfp4(e * n, kk, "cuda", gen)))
+         for n, kk in ((inter, d), (inter, d), (d, inter))]
+    hin = r(batch, k, inter).to(BF)
+    outs = []
+    for i, (a1, a3, a2) in enumerate(((w1, w3, w2), q)):
+        h = torch.full((batch, k, inter), float("nan"), device="cuda", dtype=BF)
+        y = torch.full((batch, d), float("nan"), device="cuda")
+        tasks += wl.expert_glu_tasks(x, ids, a1, a3, h, 3, 100 + 100 * i)
+        tasks += wl.expert_down_tasks(hin, ids, cw, a2, y, 5, 150 + 100 * i)
+        outs.append((h, y, a1, a3, a2))
+    # EW: residual add, a per-head L2 norm and the in-place conv update.
+    a, b = r(batch, 256).to(BF), r(batch, 256).to(BF)
+    add_o, l2_o, cy = (torch.full((batch, 256), float("nan"), device="cuda", dtype=BF) for _ in range(3))
+    cst = r(batch, 256, 3).to(BF)
+    cst0, cwt = cst.clone(), r(256, 1, 4).float()
+    tasks += [wl.ew_task(EwOp.ADD, a, add_o, 400, b=b),
+              wl.ew_task(EwOp.L2_NORM, a, l2_o, 401, head_dim=64, scale=0.125, eps=1e-6),
+              wl.ew_task(EwOp.CONV, a, cy, 402, b=cst, c=cwt)]
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
+                      batch=batch, threads=256, name=f"k3b_b{batch}")
+    rt = Megakernel(plan)
+    rt.step()
+    rt.check()
+    w_ref, id_ref = ref("router", (logits, bias), topk=k, scale=1.5)
+    assert torch.equal(rid, id_ref) and (rid[:, 0] == 7).all()
+    assert wl.rel_err(rw, w_ref) < 1e-4
+    for h, y, a1, a3, a2 in outs:
+        assert wl.rel_err(h, ref("moe_gate_up", (x, ids, a1, a3), ep_ranks=1)[0]) < 2e-2
+        assert bool((h[-1, 1] == 0).all())
+        y_ref = ref("moe_combine", (ref("moe_down", (hin, ids, a2), ep_ranks=1)[0], cw))[0]
+        assert wl.rel_err(y, y_ref) < 2e-2
+    assert wl.rel_err(add_o, ref("add", (a, b), out_dtype="")[0]) < 2e-2
+    assert wl.rel_err(l2_o, ref("l2_norm", (a,), head_dim=64, scale=0.125, eps=1e-6)[0]) < 2e-2
+    c_y, c_state = ref("conv_update", (a, cst0, cwt))
+    assert wl.rel_err(cy, c_y) < 2e-2
+    assert torch.equal(cst.float(), c_state)  # the shifted window is exact
+    assert Opcode.ROUTER in plan.opcodes
