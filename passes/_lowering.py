@@ -14,6 +14,7 @@ from fusec.cost import gpu_spec, task_time_us
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import Trait
 from fusec.ir.schedule import Instr, InstrKind, Region, Scope, Task
+from fusec.ir.ops.mixers import chunk_rows
 from fusec.ir.types import Kind, TensorType
 
 COMPUTE = Instr(InstrKind.COMPUTE)
@@ -123,6 +124,14 @@ def _input_boxes(ctx: _Ctx, op: Op, obox, anchor: bool):
         h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
         return [(full[0][0], (h0, h1), full[0][2]), (full[1][0], (h0, h1), full[1][2]), full[2],
                 ((h0 * per, h1 * per), full[3][1]), full[4]]
+    if name == "mla_attention_partial":             # obox [c0:c1, B, H, lora+2]: cache chunk rows
+        L, S = sh[2][1], op.attrs["chunks"]
+        rows = (chunk_rows(L, S, obox[0][0])[0], chunk_rows(L, S, obox[0][1] - 1)[1])
+        return [full[0], full[1], (full[2][0], rows, full[2][2]), full[3]]
+    if name == "attention_combine":                 # obox [B, h0:h1, D]
+        return [(full[0][0], full[0][1], obox[1], full[0][3])]
+    if name == "cache_append":                      # writes row pos[b]; reads no cache row
+        return [None, full[1], full[2]]
     if name == "mla_attention":                     # obox [B, h0:h1, lora]
         hb = obox[1]
         return [(full[0][0], hb, full[0][2]), (full[1][0], hb, full[1][2]), full[2], full[3]]
@@ -169,6 +178,10 @@ def _out_boxes(ctx: _Ctx, op: Op, obox):
 
 
 def _anchor_kind(op: Op) -> str | None:
+    if op.opname == "mla_attention_partial":
+        return "chunks"
+    if op.opname == "attention_combine":
+        return "heads"
     if op.opname in GEMV_OPS:
         return "gemv"
     if op.opname in EXPERT_OPS:
@@ -178,70 +191,116 @@ def _anchor_kind(op: Op) -> str | None:
     return None
 
 
-def _tileable_epilogue(ctx: _Ctx, op: Op, anchor: Op, align: int) -> bool:
-    t = op.opdef.traits
-    out = ctx.shape[op.outputs[0].name]
-    if out != ctx.shape[anchor.outputs[0].name] or op.opname in COLLECTIVES:
-        return False
-    if op.opname in HEADWISE:
-        return align % op.attrs["head_dim"] == 0
-    if op.opname == "linear":       # a sibling GEMV (e.g. gate and up sharing x): same rows
-        return anchor.opname == "linear"
-    if op.opname in ("kda_gate",):
-        return align % op.attrs["head_dim"] == 0
-    if op.opname == "conv_update":
-        return True
-    return Trait.elementwise in t and op.opname not in ("reshape", "slice", "concat")
+NOT_EPILOGUE = {"reshape", "concat", "router", "argmax", "moe_combine", "rms_norm", "attn_res",
+                "embedding", "cache_append"}
 
 
-def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], align: int):
+def _driver(op: Op, inside: set[str]) -> Value | None:
+    """The operand through which an epilogue op sees the tile (the first one made in the unit)."""
+    return next((v for v in op.inputs if v.name in inside), None)
+
+
+def _epilogue_ok(ctx: _Ctx, op: Op, anchor: Op, inside: set[str]) -> str | None:
+    """None when `op` maps the tile (as an epilogue of `anchor`), else the reason it does not."""
+    if op.opname in COLLECTIVES:
+        return "a collective"
+    if op.opname in NOT_EPILOGUE:
+        return "a reduction over the tiled axis or a shape change"
+    if op.opname == "linear":   # a sibling GEMV (gate and up reading the same x): same rows
+        return None if (anchor.opname == "linear" and op.inputs[0] is anchor.inputs[0] and
+                        ctx.shape[op.outputs[0].name] == ctx.shape[anchor.outputs[0].name]) else \
+            "a GEMV that is not a sibling of the anchor"
+    d = _driver(op, inside)
+    if d is None:
+        return "reads nothing the tile computes"
+    if op.opname == "slice":
+        return None if op.attrs["dim"] in (-1, len(ctx.shape[d.name]) - 1) else "a slice across rows"
+    if ctx.shape[op.outputs[0].name] != ctx.shape[d.name]:
+        return "changes the tile's shape"
+    if Trait.elementwise in op.opdef.traits or op.opname in HEADWISE or op.opname in ("kda_gate",):
+        return None
+    return f"{op.opname} is not elementwise"
+
+
+def _cut_rules(ctx: _Ctx, anchor: Op, epi: list[Op]) -> list[tuple[int, int, int]]:
+    """(start, end, step): a tile boundary inside [start, end) of the anchor's last dim must be
+    start + k * step (whole heads for per-head epilogues, reached through slices)."""
+    off = {anchor.outputs[0].name: 0}
+    w = ctx.shape[anchor.outputs[0].name][-1]
+    rules = [(0, w, ALIGN)] if w % ALIGN == 0 else []
+    if anchor.opname in ("kda_recurrent", "attention"):
+        rules.append((0, w, anchor.attrs["head_dim"]))
+    for o in epi:
+        d = _driver(o, set(off))
+        if d is None:
+            continue
+        base = off[d.name] + (o.attrs["start"] if o.opname == "slice" else 0)
+        for v in o.outputs[:1]:
+            off[v.name] = base
+        hd = o.attrs.get("head_dim") if (o.opname in HEADWISE or o.opname == "kda_gate") else None
+        if hd:
+            rules.append((base, base + ctx.shape[o.outputs[0].name][-1], hd))
+    return rules
+
+
+def _snap(c: int, n: int, rules) -> int:
+    """The allowed cut nearest to c (0 and n are always allowed)."""
+    def ok(x):
+        return all(not (s < x < e) or (x - s) % st == 0 for s, e, st in rules)
+    for k in range(0, n):
+        for x in (c - k, c + k):
+            if 0 <= x <= n and ok(x):
+                return x
+    return n
+
+
+def _cuts(n: int, parts: int, rules) -> list[tuple[int, int]]:
+    pts = sorted({0, n, *(_snap(round(i * n / parts), n, rules) for i in range(1, parts))})
+    return [(a, b) for a, b in zip(pts, pts[1:]) if b > a]
+
+
+def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
     """The tiles (boxes of the primary output) and the body kind of a unit."""
     prim = anchor.outputs[0] if anchor is not None else ops[-1].outputs[0]
     s = ctx.shape[prim.name]
     fb = full_box(s)
     if anchor is None:
+        body = ops[0].opname if len(ops) == 1 else "fused_" + ops[0].opname
         elementwise = all(Trait.elementwise in o.opdef.traits and o.opname not in ("reshape", "slice", "concat")
                           and ctx.shape[o.outputs[0].name] == s for o in ops)
-        nb = sum(ctx.nbytes(v, full_box(ctx.shape[v.name])) for o in ops for v in o.inputs)
-        n = math.ceil(nb / MIN_TASK_BYTES) if elementwise and s else 1
-        body = ops[0].opname if len(ops) == 1 else "fused_" + ops[0].opname
-        return [fb[:-1] + (r,) for r in splits(s[-1], min(n, ctx.sms), 1)] if s else [fb], body
-    w = sum(ctx.nbytes(v, full_box(ctx.shape[v.name])) for o in ops for v in o.inputs if v.kind is Kind.weight)
+        if not elementwise or not s:
+            return [None], body          # one task; every op computes its whole output
+        nb = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs)
+        n = min(ctx.sms, max(1, math.ceil(nb / MIN_TASK_BYTES)))
+        return [fb[:-1] + (r,) for r in splits(s[-1], n, 1)], body
+    w = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs if ctx.kind[v.name] is Kind.weight)
     if anchor.opname in EXPERT_OPS:
         b, k = s[0], s[1]
         slots = b * k
         frac = min(1.0, slots / ctx.shape[anchor.inputs[2].name][0])
         per_slot = w * frac / slots
-        n = max(1, min(ctx.sms // slots if slots < ctx.sms else 1, math.ceil(per_slot / MIN_TASK_BYTES)))
+        n = max(1, min(max(1, ctx.sms // slots), math.ceil(per_slot / MIN_TASK_BYTES)))
         rows = splits(s[2], n, ALIGN)
         return [((i, i + 1), (j, j + 1), r) for i in range(b) for j in range(k) for r in rows], anchor.opname
-    if anchor.opname == "mla_q_absorb" or anchor.opname == "mla_attention":
+    if anchor.opname == "mla_attention_partial":     # one task per cache chunk
+        return [((c, c + 1),) + fb[1:] for c in range(s[0])], anchor.opname
+    if anchor.opname in ("mla_q_absorb", "mla_attention", "attention_combine"):
         heads = s[1]
-        n = min(heads, ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)), max(1, ctx.sms // 8))
+        if anchor.opname == "mla_attention":         # every head reads the whole cache
+            w = ctx.nbytes(anchor.inputs[2], ctx.fb[anchor.inputs[2].name])
+        if anchor.opname == "attention_combine":
+            w = ctx.nbytes(anchor.inputs[0], ctx.fb[anchor.inputs[0].name])
+        n = min(heads, ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
         return [(fb[0], r, fb[2]) for r in splits(heads, n)], anchor.opname
+    rules = _cut_rules(ctx, anchor, epi)
     if anchor.opname in ("mla_attention_naive", "mla_v_up"):
-        align = anchor.attrs["v_dim"]
+        rules.append((0, s[-1], anchor.attrs["v_dim"]))
     elif anchor.opname == "attention":
-        align = anchor.attrs["head_dim"] * anchor.attrs["heads"] // anchor.attrs["kv_heads"]
+        rules.append((0, s[-1], anchor.attrs["head_dim"] * anchor.attrs["heads"] // anchor.attrs["kv_heads"]))
     elif anchor.opname == "kda_recurrent":
-        align = anchor.attrs["head_dim"]
-        w += ctx.nbytes(anchor.inputs[5], full_box(ctx.shape[anchor.inputs[5].name]))
+        w += ctx.nbytes(anchor.inputs[5], ctx.fb[anchor.inputs[5].name])
     n = min(ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
-    return [fb[:-1] + (r,) for r in splits(s[-1], n, align)], anchor.opname
-
-
-def _align_for(ctx: _Ctx, anchor: Op, group: list[Op]) -> int:
-    """Tile alignment: ALIGN rows, raised to the head size of head-wise epilogues."""
-    a = ALIGN
-    if anchor.opname in ("kda_recurrent", "attention"):
-        a = anchor.attrs["head_dim"]
-    out = ctx.shape[anchor.outputs[0].name]
-    for op in group:
-        if op.opname in HEADWISE | {"kda_gate"} and ctx.shape[op.outputs[0].name] == out:
-            a = math.lcm(a, op.attrs["head_dim"])
-    if out and out[-1] % a:
-        return ALIGN
-    return a
+    return [fb[:-1] + (r,) for r in _cuts(s[-1], n, rules)], anchor.opname
 
 
 # -- units -----------------------------------------------------------------------------------
@@ -263,7 +322,8 @@ def _partition(ctx: _Ctx, ops: list[Op]) -> list[tuple[list[Op], list[Op], Op | 
     for o in ops[:ai]:
         inside_only = all(id(u) in members for v in o.outputs for u in ctx.users[v.name]) and \
             not any(v.name in ctx.outputs for v in o.outputs)
-        if inside_only and not o.opdef.aliases and Trait.stateful not in o.opdef.traits:
+        if inside_only and not o.opdef.aliases and Trait.stateful not in o.opdef.traits \
+                and _anchor_kind(o) is None:
             pro.append(o)
         else:
             early.append(o)
@@ -272,15 +332,23 @@ def _partition(ctx: _Ctx, ops: list[Op]) -> list[tuple[list[Op], list[Op], Op | 
         ctx.log(f"group {anchor.group}: {', '.join(o.outputs[0].name for o in early)} run before "
                 f"the anchor as their own unit (stateful or used outside the group)")
         res.extend(_partition(ctx, early))
-    align = _align_for(ctx, anchor, ops)
     epi, rest = [], []
+    inside = {v.name for v in anchor.outputs}
+    off = {anchor.outputs[0].name: 0}    # where each tiled value sits along the anchor's last dim
     for i, o in enumerate(ops[ai + 1:]):
-        if _tileable_epilogue(ctx, o, anchor, align):
+        why = _epilogue_ok(ctx, o, anchor, inside)
+        mine = {off[v.name] for v in o.inputs if v.name in off}
+        if why is None and len(mine) > 1:
+            why = "it combines different slices of the tile (rows a tile does not hold together)"
+        if why is None:
+            if mine:
+                off[o.outputs[0].name] = mine.pop() + (o.attrs["start"] if o.opname == "slice" else 0)
             epi.append(o)
+            inside |= {v.name for v in o.outputs}
         else:
             rest = ops[ai + 1 + i:]
-            ctx.log(f"group {anchor.group}: {o.opname} %{o.outputs[0].name} does not map the tile of "
-                    f"{anchor.opname}: it and the rest of the group form a new unit")
+            ctx.log(f"group {anchor.group}: {o.opname} %{o.outputs[0].name} is not an epilogue of the "
+                    f"{anchor.opname} tile ({why}): it and the rest of the group form a new unit")
             break
     res.append((pro, [anchor], anchor, epi))
     if rest:
@@ -288,19 +356,38 @@ def _partition(ctx: _Ctx, ops: list[Op]) -> list[tuple[list[Op], list[Op], Op | 
     return res
 
 
+def _op_box(ctx: _Ctx, o: Op, boxes: dict, tile) -> tuple | None:
+    """Box of `o`'s first output in this tile from its driving operand; None = not computed."""
+    if o.opname == "linear":            # sibling GEMV: the anchor's rows
+        return tile
+    d = _driver(o, set(boxes))
+    if d is None or d.producer is None or not any(v is d for v in o.inputs):
+        return None
+    db = boxes[d.name]
+    if o.opname == "slice":
+        lo, hi = db[-1]
+        a, b = max(lo, o.attrs["start"]), min(hi, o.attrs["end"])
+        if a >= b:
+            return None
+        return db[:-1] + ((a - o.attrs["start"], b - o.attrs["start"]),)
+    return db
+
+
 def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
     ops = pro + core + epi
     members = {id(o) for o in ops}
-    align = _align_for(ctx, anchor, ops) if anchor is not None else 1
-    tiles, body = _tile_boxes(ctx, anchor, core + epi if anchor is not None else core, align)
+    tiles, body = _tile_boxes(ctx, anchor, core + epi if anchor is not None else core, epi)
     unit = Unit(name, ops, body)
     produced_here = {v.name for o in ops for v in o.outputs}
     stored = [v for o in ops for v in o.outputs
               if v.name in ctx.outputs or any(id(u) not in members for u in ctx.users[v.name])]
     op_names = tuple(o.outputs[0].name for o in ops)
-    # per op, once: registry cost, and what the recomputed prologue loads
     costs = {id(o): o.opdef.cost([v.type for v in o.inputs], [v.type for v in o.outputs], o.attrs, ctx.dims)
              for o in core + epi}
+    # an in-place write through a run-time address (cache row at pos) stores a conservative
+    # region (the whole cache) but moves only what the op's cost says
+    store_bytes = {o.outputs[ri].name: costs[id(o)].bytes_written for o in core + epi
+                   for ri, oi in o.opdef.aliases.items() if oi in o.opdef.addressed_by}
     pro_loads: dict[str, tuple] = {}
     for o in pro:                        # recomputed in full by every tile
         for v in o.inputs:
@@ -308,19 +395,26 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                 pro_loads[v.name] = ctx.fb[v.name]
     pro_boxes = {v.name: ctx.fb[v.name] for o in pro for v in o.outputs}
     memo = ctx.memo
-    tiled_ops = [(o, o is anchor, o.opdef.addressed_by, costs[id(o)].flops / max(1, ctx.numel[o.outputs[0].name]))
+    tiled_ops = [(o, o.opdef.addressed_by, costs[id(o)].flops / max(1, ctx.numel[o.outputs[0].name]))
                  for o in core + epi]
     for tile in tiles:
         boxes = dict(pro_boxes)
         loads = dict(pro_loads)
         addr: dict[str, str] = {}
         flops = 0.0
-        tile_n = math.prod([b - a for a, b in tile])
-        for o, is_anchor, ab, fpe in tiled_ops:
-            ins = _input_boxes(ctx, o, tile, is_anchor)
+        for k, (o, ab, fpe) in enumerate(tiled_ops):
+            if tile is None:                 # untiled unit: each op computes its whole output
+                ob = ctx.fb[o.outputs[0].name]
+            elif o is anchor or (anchor is None and k == 0) or anchor is None:
+                ob = tile
+            else:
+                ob = _op_box(ctx, o, boxes, tile)
+                if ob is None:               # this tile holds none of the op's slice
+                    continue
+            ins = _input_boxes(ctx, o, ob, o is anchor)
             for i, (v, bx) in enumerate(zip(o.inputs, ins)):
                 vn = v.name
-                if vn in produced_here:
+                if vn in produced_here or bx is None:
                     continue
                 old = loads.get(vn)
                 # the union (hull) of the boxes this tile reads of one value
@@ -330,9 +424,9 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                     src = ab.get(i)
                     if src is not None:
                         addr[vn] = ctx.storage[o.inputs[src].name]
-            for v, bx in zip(o.outputs, _out_boxes(ctx, o, tile)):
+            for v, bx in zip(o.outputs, _out_boxes(ctx, o, ob)):
                 boxes[v.name] = bx
-            flops += fpe * tile_n
+            flops += fpe * math.prod([b - a for a, b in ob])
         instrs, nbytes = [], 0.0
         for vn, box in loads.items():
             a = addr.get(vn)
@@ -347,15 +441,18 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
             nbytes += hit[1]
         instrs.append(COMPUTE)
         for v in stored:
-            key = (v.name, boxes[v.name], "store")
+            bx = boxes.get(v.name)
+            if bx is None:
+                continue
+            key = (v.name, bx, "store")
             hit = memo.get(key)
             if hit is None:
-                hit = memo[key] = (Instr(InstrKind.STORE, Region(ctx.storage[v.name], boxes[v.name])),
-                                   ctx.nbytes(v.name, boxes[v.name]))
+                hit = memo[key] = (Instr(InstrKind.STORE, Region(ctx.storage[v.name], bx)),
+                                   store_bytes.get(v.name, ctx.nbytes(v.name, bx)))
             instrs.append(hit[0])
             nbytes += hit[1]
-        t = Task(len(ctx.tasks), 0, -1, body, op_names, tile, instrs,
-                 task_time_us(ctx.spec, nbytes, flops, sms=ctx.sms))
+        t = Task(len(ctx.tasks), 0, -1, body, op_names, tile if tile is not None else
+                 ctx.fb[ops[-1].outputs[0].name], instrs, task_time_us(ctx.spec, nbytes, flops, sms=ctx.sms))
         ctx.tasks.append(t)
         unit.task_ids.append(t.id)
     unit.reads = {v.name for o in ops for v in o.inputs if v.name not in produced_here}
@@ -476,3 +573,38 @@ def _toposort(ctx: _Ctx, units: list[Unit]) -> list[Unit]:
     for u in out:
         u.deps = deps[u.name]
     return out
+
+
+def split_sequence(g: Graph, dims, sms: int, logf) -> int:
+    """Replace each absorbed MLA attention over a long cache by split-sequence partials (one
+    task per chunk of cache rows) and a combine; returns how many were split. Every head of
+    MLA reads the whole latent cache, so splitting heads does not shorten a task: chunks do."""
+    n = 0
+    new_ops: list[Op] = []
+    for op in g.ops:
+        if op.opname != "mla_attention":
+            new_ops.append(op)
+            continue
+        cache = op.inputs[2]
+        cb = cache.type.nbytes(dims)
+        rows = cache.type.concrete(dims)[1]
+        chunks = min(sms, rows, math.ceil(cb / MIN_TASK_BYTES))
+        if chunks <= 1:
+            new_ops.append(op)
+            continue
+        from fusec.ir.registry import get_op
+        attrs = {**op.attrs, "chunks": chunks}
+        pdef = get_op("mla_attention_partial")
+        (pt,) = pdef.infer([v.type for v in op.inputs], attrs)
+        out = op.outputs[0]
+        part = Op("mla_attention_partial", list(op.inputs), [], attrs, None)
+        part.outputs = [Value(g.fresh(out.name + ".partial"), pt, part)]
+        comb = Op("attention_combine", [part.outputs[0]], [out], {}, op.group)
+        out.producer = comb
+        new_ops += [part, comb]
+        n += 1
+        logf(f"split-sequence: %{out.name} over {chunks} chunks of {rows // chunks} cache rows + combine")
+    if n:
+        g.ops = new_ops
+        g.rebuild_index()
+    return n

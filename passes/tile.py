@@ -19,7 +19,9 @@ How a group becomes tasks (the region rules live in `passes/_regions.py`):
   a reshape) starts a new unit with the rest of the group (logged on FUSEC_LOG=tile);
 - expert GEMVs split per selected (token, slot) and along rows; their weight loads cover every
   expert and carry `addressed_by` = the router ids (V3);
-- attention and the KDA recurrence split over heads; in-place state updates store to the
+- absorbed MLA attention over a cache larger than MIN_TASK_BYTES is rewritten in the graph to
+  `mla_attention_partial` (one task per chunk of cache rows [c L / S, (c + 1) L / S)) and
+  `attention_combine` (one task); other attention and the KDA recurrence split over heads; in-place state updates store to the
   state parameter's own name (the region they read);
 - a collective becomes a push unit (one task per peer offset d: write the whole operand into
   slot d of the peer's `comm` buffer, signal the peer at system scope) and a local unit that
@@ -31,7 +33,7 @@ from fusec.config import log
 from fusec.ir.schedule import Schedule
 from fusec.ir.types import Kind
 
-from ._lowering import Unit, build_units
+from ._lowering import Unit, build_units, split_sequence
 from .manager import Program, register_pass
 
 
@@ -39,6 +41,7 @@ from .manager import Program, register_pass
 def run(prog: Program) -> bool:
     g = prog.graph
     dims = dict(prog.opts.dims)
+    split_sequence(g, dims, prog.opts.sms, lambda m: log(prog.opts, "tile", m))
     units, tasks, buffers = build_units(g, dims, prog.opts, lambda m: log(prog.opts, "tile", m))
     sched = Schedule(graph=g, dims=dims, ranks=prog.opts.ranks, sms=prog.opts.sms, tasks=tasks,
                      events=[], queues={}, replicated=True, buffers=buffers)

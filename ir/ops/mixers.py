@@ -334,3 +334,71 @@ register(OpDef("attention", ("q", "k_cache", "v_cache", "pos"), ("o",), _gqa_inf
                traits=frozenset({Trait.attention}),
                cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (1, 2)),
                doc="grouped-query attention of one new token over cache rows 0..pos"))
+
+
+# -- split-sequence attention (added by the tile pass for long caches) ----------------------
+def chunk_rows(length: int, chunks: int, c: int) -> tuple[int, int]:
+    """Cache rows [start, end) of chunk c when `length` rows are cut into `chunks` parts."""
+    return c * length // chunks, (c + 1) * length // chunks
+
+
+def _mla_partial_infer(ts, at):
+    q_lat, q_pe, cache, pos = ts
+    _mla_attn_infer(ts, at)
+    need(at["chunks"] >= 1, "mla_attention_partial", "chunks must be >= 1")
+    h, lora = at["heads"], at["kv_lora"]
+    return [act((at["chunks"], q_lat.shape[0], h, lora + 2), DType.f32)]
+
+
+def _mla_partial_ref(a, at):
+    """Per chunk: o normalised within the chunk, the running max m and sum l of exp(s - m)."""
+    q_lat, q_pe, cache, pos = a
+    lora, S = at["kv_lora"], at["chunks"]
+    c = f32(cache)
+    L = c.shape[1]
+    s = (torch.einsum("bhd,bld->bhl", f32(q_lat), c[..., :lora]) +
+         torch.einsum("bhr,blr->bhl", f32(q_pe), c[..., lora:])) * at["scale"]
+    keep = torch.arange(L, device=s.device)[None, :] <= pos.long()[:, None]          # [B, L]
+    s = s.masked_fill(~keep[:, None, :], float("-inf"))
+    parts = []
+    for i in range(S):
+        lo, hi = chunk_rows(L, S, i)
+        si = s[..., lo:hi]
+        m = si.max(-1).values if hi > lo else torch.full(s.shape[:2], float("-inf"), device=s.device)
+        safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(si - safe[..., None])                                            # 0 where masked
+        l = p.sum(-1)
+        o = torch.einsum("bhl,bld->bhd", p, c[:, lo:hi, :lora]) / l.clamp_min(1e-30)[..., None]
+        parts.append(torch.cat([o, m[..., None], l[..., None]], -1))
+    return [torch.stack(parts, 0)]
+
+
+def _mla_partial_cost(ins, outs, at, dims):
+    c = _attn_cost(ins, outs, at, dims, (2,))
+    return Cost(c.bytes_read, outs[0].nbytes(dims), c.flops)
+
+
+register(OpDef("mla_attention_partial", ("q_lat", "q_pe", "cache", "pos"), ("partials",), _mla_partial_infer,
+               _mla_partial_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float), "chunks": Attr(A.int)},
+               traits=frozenset({Trait.attention}), cost_fn=_mla_partial_cost,
+               doc="absorbed MLA over `chunks` slices of the cache rows (split-sequence): per chunk "
+                   "[o (normalised in the chunk), max score m, sum l]; attention_combine merges them"))
+
+
+def _combine_parts_infer(ts, at):
+    (p,) = ts
+    need_rank(p, 4, "attention_combine", "partials [S, B, H, D+2]")
+    need(isinstance(p.shape[3], int) and p.shape[3] > 2, "attention_combine", "partial rows too narrow")
+    return [act((p.shape[1], p.shape[2], p.shape[3] - 2), DType.f32)]
+
+
+def _combine_parts_ref(a, at):
+    p = f32(a[0])
+    o, m, l = p[..., :-2], p[..., -2], p[..., -1]
+    mx = m.max(0).values                                            # chunk 0 always holds row 0
+    w = torch.exp(m - mx[None]) * l                                 # exp(-inf) = 0 for empty chunks
+    return [(w[..., None] * o).sum(0) / w.sum(0)[..., None]]
+
+
+register(OpDef("attention_combine", ("partials",), ("o",), _combine_parts_infer, _combine_parts_ref,
+               doc="merge split-sequence attention partials: softmax-weighted by exp(m_i - max) l_i"))
