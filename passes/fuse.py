@@ -97,13 +97,17 @@ class _Fuser:
     def __init__(self, prog: Program):
         self.prog, self.g = prog, prog.graph
         self.info: dict[str, dict] = {}
+        self._users = None
         self.refused: dict[str, str] = {}     # op result -> why it was not fused (logged if it stays alone)
 
     def say(self, msg: str) -> None:
         log(self.prog.opts, "fusion", "fuse: " + msg)
 
     def users(self):
-        return self.g.users()
+        """Users of every value; kept up to date by `_clone_norm_for` (the only op edit here)."""
+        if self._users is None:
+            self._users = self.g.users()
+        return self._users
 
     def new_group(self, anchor: Op) -> str:
         name = anchor.outputs[0].name
@@ -171,6 +175,11 @@ class _Fuser:
         g._claim(vname, v)
         g.ops.insert(g.ops.index(user), clone)
         user.inputs[0] = v
+        users = self.users()
+        users[norm.outputs[0].name] = [u for u in users[norm.outputs[0].name] if u is not user]
+        users[vname] = [user]
+        for x in clone.inputs:
+            users[x.name].append(clone)
         self.say(f"RMSNorm %{norm.outputs[0].name} is read by several GEMVs: cloned as %{vname} "
                  f"for %{user.outputs[0].name}")
         if user.group is None:
@@ -184,6 +193,8 @@ class _Fuser:
     # epilogues --------------------------------------------------------------------------------
     def epilogues(self) -> None:
         order = {id(op): i for i, op in enumerate(self.g.ops)}
+        self._users = None
+        self.users()
         for anchor in list(self.g.ops):
             if not _is_anchor(anchor) or anchor.opname == "attn_res":
                 continue
@@ -201,32 +212,39 @@ class _Fuser:
 
     def _grow(self, anchor: Op, name: str, order: dict) -> None:
         a_idx = order[id(anchor)]
-        produced = {v.name for op in self.g.ops if op.group == name for v in op.outputs}
         info = self.info[name]
-        changed = True
-        while changed:
-            changed = False
-            for op in self.g.ops[a_idx + 1:]:
-                if op.group is not None or not any(v.name in produced for v in op.inputs):
-                    continue
-                kind = _epilogue_kind(op)
-                out = op.outputs[0].name
-                if kind is None:
-                    continue       # the next anchor or a non-fusable op: a task boundary, not a refusal
-                late = [v for v in op.inputs if v.name not in produced and v.producer is not None
-                        and order[id(v.producer)] > a_idx]
-                if late:
-                    self.refused[out] = (f"{op.opname} %{out} not fused into %{info['anchor']}: operand "
-                                         f"%{late[0].name} is produced after the anchor starts")
-                    continue
-                op.group = name
-                produced.update(v.name for v in op.outputs)
-                info["epilogue"].append(out)
-                if kind == _PER_HEAD:
-                    info["align"] = _lcm(info["align"], op.attrs["head_dim"])
-                elif kind == _WHOLE_ROW:
-                    info["whole_row"].append(out)
-                changed = True
+        # prologue values are read only inside the group (that is their legality rule), so the
+        # anchor's results are where epilogues start
+        produced = {v.name for v in anchor.outputs}
+        # candidates are users of group values, visited in program order
+        heap = [(order[id(u)], id(u), u) for v in produced for u in self._users.get(v, ())]
+        heapq.heapify(heap)
+        seen: set[int] = set()
+        while heap:
+            _, _, op = heapq.heappop(heap)
+            if id(op) in seen or op.group is not None or order[id(op)] <= a_idx:
+                continue
+            seen.add(id(op))
+            kind = _epilogue_kind(op)
+            if kind is None:
+                continue       # the next anchor or a non-fusable op: a task boundary, not a refusal
+            out = op.outputs[0].name
+            late = [v for v in op.inputs if v.name not in produced and v.producer is not None
+                    and order[id(v.producer)] > a_idx]
+            if late:
+                self.refused[out] = (f"{op.opname} %{out} not fused into %{info['anchor']}: operand "
+                                     f"%{late[0].name} is produced after the anchor starts")
+                continue
+            op.group = name
+            info["epilogue"].append(out)
+            for v in op.outputs:
+                produced.add(v.name)
+                for u in self._users.get(v.name, ()):
+                    heapq.heappush(heap, (order[id(u)], id(u), u))
+            if kind == _PER_HEAD:
+                info["align"] = _lcm(info["align"], op.attrs["head_dim"])
+            elif kind == _WHOLE_ROW:
+                info["whole_row"].append(out)
 
 
 def _lcm(a: int, b: int) -> int:

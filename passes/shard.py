@@ -435,27 +435,38 @@ class _Sharder:
 def _split_cut_groups(prog: Program) -> None:
     from fusec.passes.fuse import group_anchor
     g = prog.graph
+    index = {id(op): i for i, op in enumerate(g.ops)}
+    users = g.users()
     groups: dict[str, list[Op]] = {}
     for op in g.ops:
         if op.group:
             groups.setdefault(op.group, []).append(op)
-    for name, ops in groups.items():
-        members = {id(o) for o in ops}
-        after: set[int] = set()        # group ops downstream of a collective fed by the group
-        tainted: set[str] = set()
-        for op in g.ops:
-            if Trait.collective in op.opdef.traits and any(
-                    v.producer is not None and id(v.producer) in members | after for v in op.inputs):
-                tainted.update(v.name for v in op.outputs)
-            elif any(v.name in tainted for v in op.inputs):
-                tainted.update(v.name for v in op.outputs)
-                if id(op) in members:
-                    after.add(id(op))
+    for op in g.ops:
+        if Trait.collective not in op.opdef.traits:
+            continue
+        src = op.inputs[0].producer
+        name = src.group if src is not None else None
+        if not name or name not in groups:
+            continue
+        ops = [o for o in groups[name] if o.group == name]
+        last = max(index[id(o)] for o in ops)
+        # group members downstream of the collective (a walk bounded by the group's last op)
+        after: set[int] = set()
+        todo = [u for v in op.outputs for u in users[v.name]]
+        seen: set[int] = set()
+        while todo:
+            u = todo.pop()
+            if id(u) in seen or index[id(u)] > last:
+                continue
+            seen.add(id(u))
+            if u.group == name:
+                after.add(id(u))
+            todo += [w for v in u.outputs for w in users[v.name]]
         if not after:
             continue
         anchor = group_anchor(ops)
         leave = [o for o in ops if (id(o) in after) != (id(anchor) in after)]
         for o in leave:
             o.group = None
-        log(prog.opts, "fusion", f"shard: group {name} is cut by a collective; "
+        log(prog.opts, "fusion", f"shard: group {name} is cut by {op.opname} %{op.outputs[0].name}; "
             f"{', '.join('%' + o.outputs[0].name for o in leave)} leave it")

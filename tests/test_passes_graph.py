@@ -199,3 +199,30 @@ def test_llama_tiny_refuses_more_ranks_than_kv_heads():
     prog = Program(llama.build_graph("tiny"), Options(ranks=4))
     with pytest.raises(PassError, match="has 2 kv heads, which 4 ranks cannot split"):
         run_pipeline(prog, ["canonicalize", "fuse", "shard"])
+
+
+def test_graph_passes_are_idempotent():
+    from fusec.models import kimi_k3
+    prog = Program(kimi_k3.build_graph("tiny"), Options())
+    run_pipeline(prog, ["canonicalize", "fuse"])
+    once = print_graph(prog.graph)
+    run_pipeline(prog, ["canonicalize", "fuse"])
+    assert print_graph(prog.graph) == once
+
+
+def test_k3_full_shards_over_8_ranks():
+    """Structure only (no weights): the full model's plan at R = 8 (96 heads, 896 experts)."""
+    from fusec.models import kimi_k3
+    prog = Program(kimi_k3.build_graph("full"), Options(ranks=8))
+    run_pipeline(prog, ["canonicalize", "fuse", "shard"])
+    g = prog.graph
+    by_name = {op.outputs[0].name: op for op in g.ops}
+    moe_layers = [i for i in range(93) if i != 0]
+    for i in moe_layers:
+        norm = by_name[f"l{i}.latent_norm"]
+        assert norm.inputs[0].producer.opname == "all_reduce", f"layer {i}: latent not reduced before its norm"
+        assert by_name[f"l{i}.experts_glu"].attrs["ep_ranks"] == 8
+    assert g.value("layers.1.block_sparse_moe.experts.w1").type.shape[0] == 896 // 8
+    assert g.value("layers.3.mla.latent_cache").type.shape == ("B", "L", 576)          # replicated
+    assert g.value("layers.0.kda.recurrent_state").type.shape == ("B", 12, 128, 128)
+    assert by_name["out.next_token"].inputs[0].producer.opname == "all_gather"
