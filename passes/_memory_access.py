@@ -8,6 +8,7 @@ new values share one buffer; `version` counts in-place updates (the state parame
 """
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -27,7 +28,7 @@ def region_str(r: Region | None, rank: int | None = None) -> str:
 def expand_ranks(s: Schedule) -> Schedule:
     """Every rank's tasks. A replicated (SPMD) schedule stores rank 0 only; rank r runs the same
     tasks with every rank reference rotated by r (`Schedule.materialize`)."""
-    if not getattr(s, "replicated", False):
+    if not getattr(s, "replicated", False) or s.ranks == 1:
         return s
     if hasattr(s, "materialize"):
         return s.materialize()
@@ -75,9 +76,11 @@ class BufferMap:
 
     def task_versions(self, task) -> tuple[dict, dict]:
         """(buffer -> version the task's ops read, buffer -> version they write)."""
-        key = task.ops
+        key = id(task.ops)      # tasks of one family share the ops tuple; hashing it is slow
         hit = self._task_versions.get(key)
-        if hit is None:
+        if hit is not None and hit[2] is task.ops:
+            return hit[0], hit[1]
+        if True:
             ops = [self.producer[n] for n in task.ops if n in self.producer]
             made = {v.name for op in ops for v in op.outputs}
             rd, wr = {}, {}
@@ -89,16 +92,16 @@ class BufferMap:
                 for v in op.outputs:
                     b, ver = self.root[v.name]
                     wr[b] = max(wr.get(b, ver), ver)
-            hit = self._task_versions[key] = (rd, wr)
-        return hit
+            self._task_versions[key] = (rd, wr, task.ops)
+        return rd, wr
 
     def access(self, task, name: str, store: bool) -> tuple[str, int]:
         """(buffer, version) of a region name in a task: an in-place result's own name gives
         its version; a storage name takes the version the task's ops read or write."""
         buf, ver = self.root[name]
-        if ver == 0:
+        if ver == 0 and buf in self.producer or self.kind.get(buf) is Kind.state:
             rd, wr = self.task_versions(task)
-            ver = (wr if store else rd).get(buf, 0)
+            ver = (wr if store else rd).get(buf, ver)
         return buf, ver
 
 
@@ -152,32 +155,76 @@ class Access:
                         buf in self.bm.inputs and ver == 0, ver > 0 or kind in (Kind.act, Kind.comm))
                 (self.loads.append(a) if i.kind is InstrKind.LOAD else self.stores[(a.rank, buf)].append(a))
         self._memo: dict = {}
+        self._index: dict = {}
+
+    def _overlapping(self, rank: int, buf: str, box) -> list[Acc]:
+        """Stores of (rank, buf) whose box overlaps `box`, via an index sorted on the dim the
+        stores are tiled along (most distinct starts)."""
+        idx = self._index.get((rank, buf))
+        if idx is None:
+            sts = self.stores.get((rank, buf), [])
+            nd = len(sts[0].region.box) if sts else 0
+            d = max(range(nd), key=lambda k: len({a.region.box[k][0] for a in sts})) if nd else None
+            if d is not None:
+                sts = sorted(sts, key=lambda a: a.region.box[d][0])
+            los = [a.region.box[d][0] for a in sts] if d is not None else []
+            pmax, m = [], -1
+            for a in sts:
+                m = max(m, a.region.box[d][1]) if d is not None else m
+                pmax.append(m)
+            idx = self._index[(rank, buf)] = (d, sts, los, pmax)
+        d, sts, los, pmax = idx
+        if d is None or not box:
+            return [a for a in sts if all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(a.region.box, box))]
+        lo, hi = box[d]
+        out = []
+        i = bisect.bisect_left(los, hi) - 1
+        while i >= 0 and pmax[i] > lo:
+            a = sts[i]
+            if all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(a.region.box, box)):
+                out.append(a)
+            i -= 1
+        return out
 
     def writers(self, ld: Acc):
-        """(stores of the version read, stores of later versions) overlapping the load."""
+        """(stores of the version read, stores of later versions) overlapping the load, other
+        than the load's own task (its earlier stores of a later version do count)."""
         key = (ld.rank, ld.buf, ld.region.box, ld.version)
         hit = self._memo.get(key)
         if hit is None:
             same, later = [], []
-            for st in self.stores.get((ld.rank, ld.buf), ()):
-                if st.region.overlaps(Region(st.region.tensor, ld.region.box)):
-                    (same if st.version == ld.version else later if st.version > ld.version else []).append(st)
-            hit = self._memo[key] = (same, later)
-        same, later = hit
+            for st in self._overlapping(ld.rank, ld.buf, ld.region.box):
+                (same if st.version == ld.version else later if st.version > ld.version else []).append(st)
+            req = np.full(len(self.hb.qkeys), -1, dtype=np.int32)
+            for st in same:
+                q, p = self.hb.where[st.task.id]
+                req[q] = max(req[q], p)
+            vol = sum(_inter(st.region.box, ld.region.box) for st in same)
+            hit = self._memo[key] = (same, later, {st.task.id for st in same + later}, req, vol)
+        same, later, tids, _, _ = hit
         own = ld.task.id
+        if own not in tids:
+            return same, later
         return ([st for st in same if st.task.id != own],
                 [st for st in later if st.task.id != own or st.idx < ld.idx])
+
+    def all_before(self, ld: Acc) -> bool:
+        """Fast path: every same-version producer of the load happens before it."""
+        _, _, _, req, _ = self._memo[(ld.rank, ld.buf, ld.region.box, ld.version)]
+        return bool((self.hb.vc[ld.task.id][ld.idx] >= req).all())
 
     def store_before_load(self, st: Acc, ld: Acc) -> bool:
         if st.task.id == ld.task.id:
             return st.idx < ld.idx
         return self.hb.before(st.task.id, ld.task.id, ld.idx)
 
-    def covered(self, ld: Acc, same: list[Acc]) -> bool:
-        own = [st for st in self.stores.get((ld.rank, ld.buf), ())
-               if st.task.id == ld.task.id and st.idx < ld.idx and st.version == ld.version]
-        got = sum(_inter(st.region.box, ld.region.box) for st in same + own)
-        return got >= _vol(ld.region.box)
+    def covered(self, ld: Acc) -> bool:
+        """Do the same-version stores (other tasks', or this task's before the load) cover it?"""
+        same, _, tids, _, vol = self._memo[(ld.rank, ld.buf, ld.region.box, ld.version)]
+        if ld.task.id in tids:
+            vol -= sum(_inter(st.region.box, ld.region.box) for st in same
+                       if st.task.id == ld.task.id and st.idx > ld.idx)
+        return vol >= _vol(ld.region.box)
 
     def writers_of(self, name: str, rank: int) -> list[Acc]:
         buf, ver = self.bm.root[name]

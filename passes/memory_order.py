@@ -203,7 +203,7 @@ def v1_v2_producers(s: Schedule, hb: HappensBefore, acc: Access) -> list[Violati
         if ld.kind in (Kind.weight,) or ld.is_input:
             continue
         same, later = acc.writers(ld)
-        missing = [st for st in same if not acc.store_before_load(st, ld)]
+        missing = [] if acc.all_before(ld) else [st for st in same if not acc.store_before_load(st, ld)]
         for st in missing:
             later_wait = next((j for j in range(ld.idx + 1, len(ld.task.instrs))
                                if ld.task.instrs[j].kind is InstrKind.WAIT
@@ -218,7 +218,7 @@ def v1_v2_producers(s: Schedule, hb: HappensBefore, acc: Access) -> list[Violati
                                      f"a wait ordering it after task {st.task.id}",
                                      f"read does not happen after producer task {st.task.id}"))
             break
-        if not missing and ld.needs_producer and not acc.covered(ld, same):
+        if not missing and ld.needs_producer and not acc.covered(ld):
             out.append(Violation(Rule.V1, ld.task.id, region_str(ld.region, ld.rank), "",
                                  "part of the region read has no producer in this step"))
         for st in later:
@@ -338,11 +338,11 @@ def v6_signal_semantics(s: Schedule) -> list[Violation]:
     """V6: a SIGNAL follows the task's last STORE and is a release; a WAIT is an acquire;
     signals and waits on another rank's counter use system scope."""
     out = []
-    signalers = defaultdict(list)
+    remote_sig = set()      # counters some other rank signals
     for t in s.tasks:
         for i in t.instrs:
-            if i.kind is InstrKind.SIGNAL:
-                signalers[(target(t, i), i.event)].append((t.id, 0))
+            if i.kind is InstrKind.SIGNAL and target(t, i) != t.rank:
+                remote_sig.add((target(t, i), i.event))
     for t in s.tasks:
         last_store = max((k for k, i in enumerate(t.instrs) if i.kind is InstrKind.STORE), default=-1)
         for k, i in enumerate(t.instrs):
@@ -359,7 +359,7 @@ def v6_signal_semantics(s: Schedule) -> list[Violation]:
                                      f"wait uses {i.sem.value} semantics, needs acquire"))
             remote = i.peer is not None and i.peer != t.rank
             if i.kind is InstrKind.WAIT and not remote:   # a local counter that peers signal
-                remote = any(s.tasks[g].rank != t.rank for g, _ in signalers.get((t.rank, i.event), ()))
+                remote = (t.rank, i.event) in remote_sig
             if i.kind in (InstrKind.WAIT, InstrKind.SIGNAL) and remote and i.scope is not Scope.sys:
                 out.append(Violation(Rule.V6, t.id, "", f"{i.kind.value} e{i.event}",
                                      f"cross-GPU {i.kind.value} e{i.event} uses {i.scope.value} scope, needs sys"))
@@ -371,6 +371,10 @@ def v7_same_grid(s: Schedule) -> list[Violation]:
     taken relative to the task's own) and declares the same event layout."""
     out = []
     R = s.ranks
+    if R == 1:
+        return [Violation(Rule.V7, None, message=f"queue (rank {k[0]}, sm {k[1]}) outside the 1-rank x "
+                                                 f"{s.sms}-SM grid") for k in s.queues
+                if not (k[0] == 0 and 0 <= k[1] < s.sms)]
     for key in s.queues:
         if not (0 <= key[0] < R and 0 <= key[1] < s.sms):
             out.append(Violation(Rule.V7, None, message=f"queue (rank {key[0]}, sm {key[1]}) outside the "
