@@ -224,6 +224,10 @@ class _Sharder:
     # -- rules ------------------------------------------------------------------------------------
     def _op_default(self, op: Op) -> None:
         """Unknown or replicated op: every operand FULL, weights whole, results FULL."""
+        conv = [v for v in op.inputs if v.kind is not Kind.weight and self.L(v) != FULL]
+        if conv and op.outputs:
+            log(self.prog.opts, "fusion", f"shard: {op.opname} %{op.outputs[0].name} runs replicated; "
+                f"{', '.join(f'%{v.name} ({self.L(v)[0]})' for v in conv)} made full first")
         ins = [self.param(v) if v.kind is Kind.weight else self.to(self.act(v), FULL) for v in op.inputs]
         self.copy_op(op, ins, layouts=[FULL] * len(op.outputs))
 
