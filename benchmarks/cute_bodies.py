@@ -39,8 +39,8 @@ def ref(name, args, **attrs):
 
 def timed(rt: Megakernel, tasks, reps: int) -> float:
     """Median microseconds of one launch running only `tasks` (table swap, no recompile)."""
-    plan = rt.plan.with_tasks(tasks)
-    plan = dataclasses.replace(plan, queues=round_robin_queues(len(tasks), plan.num_ctas))
+    plan = dataclasses.replace(rt.plan, tasks=tuple(tasks),
+                               queues=round_robin_queues(len(tasks), rt.plan.num_ctas))
     rt.set_tasks(plan)
     for _ in range(3):
         rt.step()
