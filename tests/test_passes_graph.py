@@ -226,3 +226,13 @@ def test_k3_full_shards_over_8_ranks():
     assert g.value("layers.3.mla.latent_cache").type.shape == ("B", "L", 576)          # replicated
     assert g.value("layers.0.kda.recurrent_state").type.shape == ("B", 12, 128, 128)
     assert by_name["out.next_token"].inputs[0].producer.opname == "all_gather"
+
+
+def test_numerics_check_catches_a_misplaced_reduction():
+    """The checker itself can fail: normalising the per-rank partial latent (all_reduce dropped
+    before the latent RMSNorm) must be reported."""
+    text = (CASES / "shard_moe.expected.fir").read_text()
+    assert "rms_norm(%combine.all_reduce," in text
+    broken = parse_fir(text.replace("rms_norm(%combine.all_reduce,", "rms_norm(%combine,"))
+    with pytest.raises(AssertionError, match="output %resid"):
+        check_same_numerics(parse_fir_file(CASES / "shard_moe.fir"), broken, 2, {"B": 3})
