@@ -474,3 +474,12 @@ def _split_cut_groups(prog: Program) -> None:
             o.group = None
         log(prog.opts, "fusion", f"shard: group {name} is cut by {op.opname} %{op.outputs[0].name}; "
             f"{', '.join('%' + o.outputs[0].name for o in leave)} leave it")
+        info = prog.notes.get("fusion_groups", {}).get(name)
+        gone = {o.outputs[0].name for o in leave}
+        if info is not None:
+            for key in ("prologue", "epilogue", "whole_row"):
+                info[key] = [n for n in info[key] if n not in gone]
+        rest = [o for o in ops if o.group == name]
+        if len(rest) == 1:              # a group of one op is no group
+            rest[0].group = None
+            prog.notes.get("fusion_groups", {}).pop(name, None)

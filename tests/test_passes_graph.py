@@ -58,13 +58,19 @@ def _random_state(graph, dims, seed: int) -> dict:
     return {k: torch.randn(v.shape, generator=g) for k, v in init_state(graph, dims, precision="fp32").items()}
 
 
-def check_same_numerics(before, after, ranks: int, dims: dict, seed: int = 0, rules=()) -> None:
-    """The reference outputs and state updates of `after` (on `ranks` ranks) equal `before`'s."""
+def reference_run(before, dims: dict, seed: int = 0, rules=()):
+    """Full checkpoint, inputs and state for `before`, and its one-rank reference step."""
     full = random_weights(before, seed, rules)
     inputs = _random_io(before, dims, seed)
     state0 = _random_state(before, dims, seed)
     state_ref = dict(state0)
     want = run_step(before, prepare_weights(before, full, "fp32"), state_ref, inputs, dims, "fp32")
+    return full, inputs, state0, want, state_ref
+
+
+def check_same_numerics(before, after, ranks: int, dims: dict, seed: int = 0, rules=(), ref=None) -> None:
+    """The reference outputs and state updates of `after` (on `ranks` ranks) equal `before`'s."""
+    full, inputs, state0, want, state_ref = ref or reference_run(before, dims, seed, rules)
     outs, state_got = run_step_ranks(after, full, ranks, state0, inputs, dims, "fp32")
     for r in range(ranks):
         for v, a, b in zip(before.outputs, want, outs[r]):
@@ -168,16 +174,26 @@ def test_merged_weight_is_a_prefetchable_parameter():
 
 
 # -- Kimi K3 tiny: the whole graph pipeline preserves outputs ---------------------------------------
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_k3_tiny_graph_pipeline(ranks):
+@pytest.fixture(scope="module")
+def k3_tiny():
+    """Kimi K3 tiny and its one-rank reference step, computed once for the module."""
     from fusec.models import kimi_k3
     g = kimi_k3.build_graph("tiny")
+    return g, reference_run(g, K3_DIMS, rules=kimi_k3.WEIGHT_INIT)
+
+
+K3_DIMS = {"B": 2, "L": 8}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_k3_tiny_graph_pipeline(ranks, k3_tiny):
+    g, ref = k3_tiny
     prog = Program(g.copy(), Options(ranks=ranks))
     run_pipeline(prog, ["canonicalize", "fuse", "shard"])
     text = print_graph(prog.graph)
     assert print_graph(parse_fir(text)) == text
     assert not any(op.opname == "mla_attention_naive" for op in prog.graph.ops)
-    check_same_numerics(g, parse_fir(text), ranks, {"B": 2, "L": 8}, rules=kimi_k3.WEIGHT_INIT)
+    check_same_numerics(g, parse_fir(text), ranks, K3_DIMS, ref=ref)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
