@@ -102,6 +102,18 @@ class RandomOrderRunner:
         self.dtypes = {}
         for v in s.graph.values():
             self.dtypes.setdefault(self.bm.root[v.name][0], v.type)
+        # per instruction, precomputed: (target rank, buffer, version, slices) for LOAD/STORE
+        self.plan = {}
+        for t in s.tasks:
+            row = []
+            for i in t.instrs:
+                if i.region is None:
+                    row.append(None)
+                    continue
+                buf, ver = self.bm.access(t, i.region.tensor, i.kind is InstrKind.STORE)
+                row.append((t.rank if i.region.rank is None else i.region.rank, buf, ver,
+                            tuple(slice(a, b) for a, b in i.region.box)))
+            self.plan[t.id] = row
         self.inputs = [step_inputs(s.graph, s.dims, k, data_seed) for k in range(steps)]
         self.outputs = [v.name for v in s.graph.outputs]
         if self.numeric:
@@ -159,28 +171,39 @@ class RandomOrderRunner:
             for q in range(nq):
                 if rank_of[q] == r and not s.queues[self.qkeys[q]]:
                     left[r] -= 1
+        active: list[int] = []            # queues whose next instruction can run
+        blocked: dict = {}                # counter key -> [(queue, needed value)]
+        parked: dict = {r: [] for r in range(R)}   # queues done with the step, before the barrier
+
+        def settle(q: int) -> None:
+            if step[q] >= self.steps or not s.queues[self.qkeys[q]]:
+                return
+            if step[q] != rstep[rank_of[q]]:
+                parked[rank_of[q]].append(q)
+                return
+            task = s.tasks[s.queues[self.qkeys[q]][pos[q]]]
+            ins = task.instrs[idx[q]] if idx[q] < len(task.instrs) else None
+            if ins is not None and ins.kind is InstrKind.WAIT:
+                key = (ins.peer if ins.peer is not None else task.rank, ins.event)
+                need = step[q] * self.per_step.get(key, 0) + ins.threshold
+                if counter.get(key, 0) < need:
+                    blocked.setdefault(key, []).append((q, need))
+                    return
+            active.append(q)
+
+        for q in range(nq):
+            settle(q)
         last = None
-        while True:
-            runnable = []
-            for q in range(nq):
-                if step[q] >= self.steps or step[q] != rstep[rank_of[q]] or not s.queues[self.qkeys[q]]:
-                    continue
-                task = s.tasks[s.queues[self.qkeys[q]][pos[q]]]
-                ins = task.instrs[idx[q]] if idx[q] < len(task.instrs) else None
-                if ins is not None and ins.kind is InstrKind.WAIT:
-                    key = (ins.peer if ins.peer is not None else task.rank, ins.event)
-                    need = step[q] * self.per_step.get(key, 0) + ins.threshold
-                    if counter.get(key, 0) < need:
-                        continue
-                runnable.append(q)
-            if not runnable:
-                break
+        while active:
             if policy is Policy.priority:
-                q = max(runnable, key=lambda x: prio[x])
-            elif policy is Policy.burst and last in runnable and rng.random() < 0.9:
-                q = last
+                j = max(range(len(active)), key=lambda x: prio[active[x]])
+            elif policy is Policy.burst and last is not None and last in active and rng.random() < 0.9:
+                j = active.index(last)
             else:
-                q = rng.choice(runnable)
+                j = rng.randrange(len(active))
+            q = active[j]
+            active[j] = active[-1]
+            active.pop()
             last = q
             queue = s.queues[self.qkeys[q]]
             task = s.tasks[queue[pos[q]]]
@@ -188,9 +211,20 @@ class RandomOrderRunner:
             if idx[q] == 0:
                 ctx[q] = {"loads": [], "out": None, "poison": False}
             if idx[q] < len(task.instrs):
-                self._exec(task, task.instrs[idx[q]], k, ctx[q], tags, vals, counter, res, max_poison)
+                ins = task.instrs[idx[q]]
+                self._exec(task, ins, self.plan[task.id][idx[q]], k, ctx[q], tags, vals, counter, res, max_poison)
                 res.instrs += 1
                 idx[q] += 1
+                if ins.kind is InstrKind.SIGNAL:
+                    key = (ins.peer if ins.peer is not None else task.rank, ins.event)
+                    waiters = blocked.pop(key, [])
+                    still = [(w, n) for w, n in waiters if counter[key] < n]
+                    if still:
+                        blocked[key] = still
+                    for w, n in waiters:
+                        if counter[key] >= n:
+                            active.append(w)
+                settle(q)
                 continue
             idx[q], pos[q] = 0, pos[q] + 1
             if pos[q] == len(queue):
@@ -204,6 +238,12 @@ class RandomOrderRunner:
                     if k + 1 < self.steps:
                         start_step(r, k + 1)
                     prio = [rng.random() for _ in range(nq)]
+                    settle(q)
+                    waiting, parked[r] = parked[r], []
+                    for w in waiting:
+                        settle(w)
+                    continue
+            settle(q)
         stuck = [q for q in range(nq) if step[q] < self.steps and s.queues[self.qkeys[q]]]
         if stuck:
             q = stuck[0]
@@ -227,7 +267,7 @@ class RandomOrderRunner:
         return res
 
     # -- one instruction ---------------------------------------------------------------------
-    def _exec(self, task, ins, k, c, tags, vals, counter, res, max_poison) -> None:
+    def _exec(self, task, ins, where, k, c, tags, vals, counter, res, max_poison) -> None:
         kind = ins.kind
         if kind is InstrKind.SIGNAL:
             key = (ins.peer if ins.peer is not None else task.rank, ins.event)
@@ -237,8 +277,7 @@ class RandomOrderRunner:
             return
         if kind is InstrKind.LOAD:
             reg = ins.region
-            r = task.rank if reg.rank is None else reg.rank
-            buf, ver = self.bm.access(task, reg.tensor, False)
+            r, buf, ver, box = where
             if ins.addressed_by:
                 ab, av = self.bm.root[ins.addressed_by]
                 if ab not in self.bm.inputs and not (tags[(task.rank, ab)] == k * VMAX + av).all():
@@ -249,7 +288,6 @@ class RandomOrderRunner:
             kindb = self.bm.kind.get(buf)
             if kindb is Kind.weight or (buf in self.bm.inputs and ver == 0):
                 return
-            box = tuple(slice(a, b) for a, b in reg.box)
             valid = tags[(r, buf)][box] == k * VMAX + ver
             if not valid.all() and len(res.poisoned) < max_poison:
                 res.poisoned.append(f"step {k} task {task.id}: load of %{reg.tensor} "
@@ -264,9 +302,7 @@ class RandomOrderRunner:
             return
         # STORE
         reg = ins.region
-        r = task.rank if reg.rank is None else reg.rank
-        buf, ver = self.bm.access(task, reg.tensor, True)
-        box = tuple(slice(a, b) for a, b in reg.box)
+        r, buf, ver, box = where
         tags[(r, buf)][box] = k * VMAX + ver
         if self.numeric:
             if c["out"] is None:
