@@ -115,16 +115,40 @@ def bodies(batch: int, gen: torch.Generator, quick: bool, reps: int) -> None:
     gy = torch.empty(batch, kda_w, device=dev, dtype=BF)
     ew.append(("EW gated_rms_norm", gy, [wl.ew_task(EwOp.GATED_RMS, go, gy, 313, b=gg, c=gw, head_dim=hd, eps=1e-5)],
                lambda: ref("gated_rms_norm", (go, gg, gw), head_dim=hd, eps=1e-5)[0]))
+    # cache_append (EW APPEND): MLA latent row [B, 576] into cache [B, L, 576] at pos[b]
+    cache = r(batch, 64, 576).to(BF)
+    cache0, crow = cache.clone(), r(batch, 576).to(BF)
+    pos = torch.randint(0, 64, (batch,), device=dev, generator=gen, dtype=torch.int32)
+    ew.append(("EW cache_append", cache, [wl.ew_task(EwOp.APPEND, crow, cache, 314, b=cache, c=pos)],
+               lambda: ref("cache_append", (cache0, crow, pos))[0]))
     for label, o, ts, fn in ew:
         tasks[label] = ts
         checks.append((label, o, fn))
+    # KDA recurrent step: 96 heads of 128, fp32 state updated in place; one task per head
+    kq, kk = (torch.nn.functional.normalize(r(batch, heads, hd), dim=-1).flatten(1).to(BF) for _ in range(2))
+    kv, kg = r(batch, kda_w).to(BF), -torch.rand(batch, kda_w, device=dev, generator=gen)
+    kb = torch.rand(batch, heads, device=dev, generator=gen).to(BF)
+    kst = (0.1 * r(batch, heads, hd, hd)).contiguous()
+    kst0, ko = kst.clone(), torch.empty(batch, kda_w, device=dev)
+    tasks["KDA"] = wl.kda_tasks(kq, kk, kv, kg, kb, kst, ko, 1, 500)
+    kda_at = dict(heads=heads, head_dim=hd)
+    checks.append(("KDA o", ko, lambda: ref("kda_recurrent", (kq, kk, kv, kg, kb, kst0), **kda_at)[0]))
+    # AttnRes mix over 9 sources + the following RMSNorm
+    srcs = r(9, batch, hid).to(BF)
+    nw, pw, gam = (1 + 0.1 * r(hid)).to(BF), (0.05 * r(1, hid)).to(BF), (1 + 0.1 * r(hid)).to(BF)
+    ah, ay = torch.empty(batch, hid, device=dev, dtype=BF), torch.empty(batch, hid, device=dev, dtype=BF)
+    tasks["ATTN_RES+rms_norm"] = wl.attn_res_tasks(srcs, nw, pw, gam, ah, ay, 1e-5, 1e-5, 600)
+    ah_ref = lambda: ref("attn_res", (nw, pw, *srcs), eps=1e-5)[0]  # noqa: E731
+    checks.append(("ATTN_RES h", ah, ah_ref))
+    checks.append(("ATTN_RES+rms_norm", ay, lambda: ref("rms_norm", (ah_ref().to(BF), gam), eps=1e-5,
+                                                        out_dtype="")[0]))
     all_tasks = [t for ts in tasks.values() for t in ts]
     plan = KernelPlan(tasks=tuple(all_tasks), queues=round_robin_queues(len(all_tasks)), num_events=1,
                       batch=batch, threads=1024, extra_opcodes=ALL_OPS, name=f"bodies_b{batch}")
     t0 = time.time()
     rt = Megakernel(plan)
     print(f"batch {batch}: compile {time.time() - t0:.1f} s ({len(all_tasks)} tasks)", flush=True)
-    for t in [rw, rid] + [o for _, o, _ in checks]:
+    for t in [rw, rid] + [o for label, o, _ in checks if label != "EW cache_append"]:
         t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
     rt.step()
     torch.cuda.synchronize()
@@ -134,12 +158,20 @@ def bodies(batch: int, gen: torch.Generator, quick: bool, reps: int) -> None:
     t_us = timed(rt, tasks["ROUTER"], reps)
     table.append(("ROUTER", batch, "ids exact" if ok else "IDS DIFFER", wl.rel_err(rw, rw_ref), t_us))
     conv_state_err = wl.rel_err(cst, ref("conv_update", (cx, cst0, cw))[1])
+    kda_state_err = wl.rel_err(kst, ref("kda_recurrent", (kq, kk, kv, kg, kb, kst0), **kda_at)[1])
     for label, o, fn in checks:
         e = wl.rel_err(o, fn())
+        note = ""
         if label == "EW conv_update":
             e = max(e, conv_state_err)
-            cst.copy_(cst0)
-        table.append((label, batch, "", e, timed(rt, tasks[label], reps)))
+        if label == "EW cache_append":  # a copy: must be exact, the whole cache compared
+            e, note = (0.0, "exact") if torch.equal(o, fn()) else (float("inf"), "DIFFERS")
+        if label == "KDA o":
+            note = f"state {kda_state_err:.1e}"
+            e = max(e, kda_state_err)
+        key = {"KDA o": "KDA", "ATTN_RES h": None}.get(label, label)
+        us = timed(rt, tasks[key], reps) if key else float("nan")
+        table.append((label, batch, note, e, us))
     rt.set_tasks(plan)
 
 

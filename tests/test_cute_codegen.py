@@ -128,6 +128,7 @@ def test_all_bodies_compile_for_sm90a_and_pass_audit(cutlass_available, tmp_path
     assert "tanh.approx.f32" in ptx or "ex2.approx" in ptx  # SiTU-GLU / sigmoid math emitted
     assert "shfl.sync.bfly" in ptx  # router argmax and warp reductions
     assert "cvt.f32.f16" in ptx  # MXFP4 f16 decode
+    assert "bar.sync" in ptx or "barrier.sync" in ptx  # KDA / ATTN_RES / ROUTER block reductions
 
 
 def test_expert_and_ew_rows_encode_subops():

@@ -18,7 +18,7 @@ import types
 
 import jinja2
 
-from .plan import (ERR_WORDS, ROUTER_MAX_TOPK, ROUTER_PER_THREAD, ROW_WORDS, ErrWord, EwOp,
+from .plan import (ATTN_RES_MAX_SOURCES, ERR_WORDS, KDA_MAX_HEAD_DIM, ROUTER_MAX_TOPK, ROUTER_PER_THREAD, ROW_WORDS, ErrWord, EwOp,
                    ExpertMode, F32Flag, KernelPlan, Word)
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
@@ -46,6 +46,8 @@ def render(plan: KernelPlan) -> str:
         f32_flags=list(F32Flag),
         router_per_thread=ROUTER_PER_THREAD,
         router_max_topk=ROUTER_MAX_TOPK,
+        attn_res_max_sources=ATTN_RES_MAX_SOURCES,
+        kda_max_d=KDA_MAX_HEAD_DIM,
     )
 
 

@@ -126,6 +126,16 @@ class Opcode(enum.IntEnum):
                top-P0 of scores + bias (A1 fp32 [K]), weights = scores[ids] / sum * scale
                (AUX = f32_pair(scale, 0)) -> A2 fp32 [B, LDY], ids -> A3 int32 [B, LDY].
                K = number of experts (<= ROUTER_PER_THREAD * threads), P0 = top-k (<= 32).
+    KDA        gated delta rule step (kda_recurrent) for items i in N0..N1, i = b * H + head
+               (H = P0, head dim D = K, D divides threads, D <= 128): state S fp32 [B, H, D, D]
+               at A3 updated in place, S <- diag(exp g) S; u = v - k^T S; S += beta k u^T;
+               o = q^T S. q = A0, k = A1, v = A5 (bf16 [B, LDX]), g = A6 fp32 [B, LDX],
+               beta = A4 bf16 [B, H], o = A2 fp32 [B, LDY].
+    ATTN_RES   attn_res mix fused with the next rms_norm, one CTA per batch row b in N0..N1:
+               sources j < P1 (<= ATTN_RES_MAX_SOURCES) at A0 + j * P0 elements, rows [B, LDX]
+               bf16 of width K; key = norm_w (A1) * proj_w (A5); softmax_j(rms(V_j) . key),
+               h = sum_j p_j V_j -> A2 bf16 [B, LDY]; rms_norm(h) * gamma (A6) -> A7 bf16
+               [B, LDY]; AUX = f32_pair(attn_res eps, rms_norm eps).
     """
 
     NOP = 0
@@ -136,6 +146,8 @@ class Opcode(enum.IntEnum):
     EXPERT_MXFP4 = 5
     EW = 6
     ROUTER = 7
+    KDA = 8
+    ATTN_RES = 9
 
 
 class ExpertMode(enum.IntEnum):
@@ -158,6 +170,8 @@ class EwOp(enum.IntEnum):
                      # in place, w = A3 [C, W], P2 = W, P0 = state batch stride   [conv_update]
     L2_NORM = 7      # per head of P2: a * rsqrt(sum a^2 + eps) * scale          [l2_norm]
     GATED_RMS = 8    # per head of P2: rms(a) * A3[c % P2] * sigmoid(b)          [gated_rms_norm]
+    APPEND = 9       # cache (A1)[b, pos[b], c] = a[b, c]; pos = A3 int32 [B] read at run time
+                     # (V3), P0 = cache batch stride, LDY = cache row stride    [cache_append]
 
 
 # EW sub-opcodes handled one warp per head (a reduction), the rest one thread per element.
@@ -176,6 +190,8 @@ class F32Flag(enum.IntFlag):
 # ROUTER: scores each thread keeps in registers (experts <= ROUTER_PER_THREAD * threads).
 ROUTER_PER_THREAD = 4
 ROUTER_MAX_TOPK = 32
+ATTN_RES_MAX_SOURCES = 16
+KDA_MAX_HEAD_DIM = 128
 
 
 # Elements per 16-byte vector load of bf16 data; GEMV and RMSNORM need K % VEC == 0.
@@ -283,7 +299,13 @@ class KernelPlan:
                                               or not 0 < t.p0 <= ROUTER_MAX_TOPK):
                 raise ValueError(f"task {t.task_id}: router needs experts <= "
                                  f"{ROUTER_PER_THREAD * self.threads} and 0 < topk <= {ROUTER_MAX_TOPK}")
-            if t.opcode in (Opcode.EW, Opcode.ROUTER):
+            if t.opcode == Opcode.KDA and (t.k > KDA_MAX_HEAD_DIM or self.threads % max(1, t.k)
+                                           or t.k * t.k % self.threads):
+                raise ValueError(f"task {t.task_id}: KDA head dim {t.k} must be <= {KDA_MAX_HEAD_DIM}, "
+                                 f"divide threads={self.threads} and D*D be a multiple of it")
+            if t.opcode == Opcode.ATTN_RES and not 0 < t.p1 <= ATTN_RES_MAX_SOURCES:
+                raise ValueError(f"task {t.task_id}: attn_res needs 1..{ATTN_RES_MAX_SOURCES} sources")
+            if t.opcode in (Opcode.EW, Opcode.ROUTER, Opcode.KDA, Opcode.ATTN_RES):
                 continue  # scalar loads: no vector alignment rules
             vec = VEC_MXFP4 if t.opcode in (Opcode.GEMV_MXFP4, Opcode.EXPERT_MXFP4) else VEC_BF16
             if t.opcode != Opcode.NOP and (t.k % vec or t.n1 < t.n0 or t.ldx % 8 or t.ldy % 8):

@@ -111,6 +111,12 @@ def ew_task(sub: EwOp, a, out, task_id: int, *, b=None, c=None, head_dim: int = 
     1 = per channel); for GATED_RMS c = the norm weight [head_dim].
     """
     n0, n1 = cols if cols is not None else (0, a.shape[-1])
+    ldy = out.stride(0)
+    if sub == EwOp.APPEND:  # b = cache [B, L, W] (updated in place), c = pos int32 [B]
+        return TaskRow(Opcode.EW, task_id, a0=a.data_ptr(), a1=b.data_ptr(), a2=b.data_ptr(),
+                       a3=c.data_ptr(), n0=n0, n1=n1, ldx=a.stride(0), ldy=b.stride(1), sub=sub,
+                       p0=b.stride(0), p1=_f32_flag(a, F32Flag.A0) | _f32_flag(b, F32Flag.A1),
+                       **_wait_kw(wait, signal))
     if sub == EwOp.CONV:
         p2, ldb = c.shape[-1], b.stride(0)
     else:
@@ -120,7 +126,7 @@ def ew_task(sub: EwOp, a, out, task_id: int, *, b=None, c=None, head_dim: int = 
              | _f32_flag(c, F32Flag.A3))
     return TaskRow(Opcode.EW, task_id, a0=a.data_ptr(), a1=b.data_ptr() if b is not None else 0,
                    a2=out.data_ptr(), a3=c.data_ptr() if c is not None else 0, n0=n0, n1=n1,
-                   ldx=a.stride(0), ldy=out.stride(0), sub=sub, p0=ldb, p1=flags, p2=p2,
+                   ldx=a.stride(0), ldy=ldy, sub=sub, p0=ldb, p1=flags, p2=p2,
                    aux=f32_pair(scale, eps), **_wait_kw(wait, signal))
 
 
@@ -134,6 +140,34 @@ def router_tasks(logits, bias, weights, ids, scale: float, first_id: int = 0, *,
                     ldx=logits.stride(0), ldy=ids.stride(0), p0=topk,
                     p1=_f32_flag(logits, F32Flag.A0), aux=f32_pair(scale), **_wait_kw(wait, signal))
             for b in range(logits.shape[0])]
+
+
+def kda_tasks(q, k, v, g, beta, state, o, heads_per_task: int, first_id: int = 0, *,
+              wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
+    """kda_recurrent: q, k, v bf16 [B, H*D], g fp32 [B, H*D], beta bf16 [B, H], state fp32
+    [B, H, D, D] (updated in place), o fp32 [B, H*D]; one task per `heads_per_task` items."""
+    b, h, d = state.shape[0], state.shape[1], state.shape[2]
+    assert q.stride(0) == k.stride(0) == v.stride(0) == g.stride(0) and beta.stride(0) == h
+    rows = []
+    for i, n0 in enumerate(range(0, b * h, heads_per_task)):
+        rows.append(TaskRow(Opcode.KDA, first_id + i, a0=q.data_ptr(), a1=k.data_ptr(), a5=v.data_ptr(),
+                            a6=g.data_ptr(), a4=beta.data_ptr(), a3=state.data_ptr(), a2=o.data_ptr(),
+                            n0=n0, n1=min(b * h, n0 + heads_per_task), k=d, ldx=q.stride(0),
+                            ldy=o.stride(0), p0=h, **_wait_kw(wait, signal)))
+    return rows
+
+
+def attn_res_tasks(sources, norm_w, proj_w, gamma, h, y, eps_mix: float, eps_out: float,
+                   first_id: int = 0, *, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
+    """attn_res + rms_norm, one task (CTA) per batch row: sources bf16 [J, B, H] in one buffer
+    (the scheduler's memory plan stacks the block outputs), norm_w, proj_w [H] (or [1, H]), gamma
+    [H] bf16; h = the mix, y = rms_norm(h) * gamma, both bf16 [B, H]."""
+    j, b, hw = sources.shape
+    return [TaskRow(Opcode.ATTN_RES, first_id + r, a0=sources.data_ptr(), a1=norm_w.data_ptr(),
+                    a5=proj_w.data_ptr(), a6=gamma.data_ptr(), a2=h.data_ptr(), a7=y.data_ptr(),
+                    n0=r, n1=r + 1, k=hw, ldx=sources.stride(1), ldy=h.stride(0), p0=sources.stride(0),
+                    p1=j, aux=f32_pair(eps_mix, eps_out), **_wait_kw(wait, signal))
+            for r in range(b)]
 
 
 def random_mxfp4(n: int, k: int, device, generator=None):

@@ -78,3 +78,34 @@ def test_k3_bodies_match_registry(batch):
     assert wl.rel_err(cy, c_y) < 2e-2
     assert torch.equal(cst.float(), c_state)  # the shifted window is exact
     assert Opcode.ROUTER in plan.opcodes
+
+
+def test_kda_attn_res_append_match_registry():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    batch, heads, hd, hid = 2, 3, 64, 320
+    q, k = (torch.nn.functional.normalize(r(batch, heads, hd), dim=-1).flatten(1).to(BF) for _ in range(2))
+    v, g = r(batch, heads * hd).to(BF), -torch.rand(batch, heads * hd, device="cuda", generator=gen)
+    beta = torch.rand(batch, heads, device="cuda", generator=gen).to(BF)
+    st = 0.1 * r(batch, heads, hd, hd)
+    st0, o = st.clone(), torch.full((batch, heads * hd), float("nan"), device="cuda")
+    srcs = r(5, batch, hid).to(BF)
+    nw, pw, gam = (1 + 0.1 * r(hid)).to(BF), (0.05 * r(1, hid)).to(BF), (1 + 0.1 * r(hid)).to(BF)
+    h, y = (torch.full((batch, hid), float("nan"), device="cuda", dtype=BF) for _ in range(2))
+    cache = r(batch, 16, 64).to(BF)
+    cache0, row = cache.clone(), r(batch, 64).to(BF)
+    pos = torch.tensor([5, 15][:batch], device="cuda", dtype=torch.int32)
+    tasks = wl.kda_tasks(q, k, v, g, beta, st, o, 2, 0)
+    tasks += wl.attn_res_tasks(srcs, nw, pw, gam, h, y, 1e-5, 1e-6, 10)
+    tasks.append(wl.ew_task(EwOp.APPEND, row, cache, 20, b=cache, c=pos))
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 8), num_events=1,
+                      batch=batch, threads=256, name="k3b_kda")
+    rt = Megakernel(plan)
+    rt.step()
+    rt.check()
+    o_ref, st_ref = ref("kda_recurrent", (q, k, v, g, beta, st0), heads=heads, head_dim=hd)
+    assert wl.rel_err(o, o_ref) < 2e-2 and wl.rel_err(st, st_ref) < 1e-4
+    h_ref = ref("attn_res", (nw, pw, *srcs), eps=1e-5)[0]
+    assert wl.rel_err(h, h_ref) < 2e-2
+    assert wl.rel_err(y, ref("rms_norm", (h_ref.to(BF), gam), eps=1e-6, out_dtype="")[0]) < 2e-2
+    assert torch.equal(cache, ref("cache_append", (cache0, row, pos))[0])
