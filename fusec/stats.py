@@ -92,13 +92,21 @@ def graph_stats(graph: Graph, dims: dict[str, int] | None = None) -> GraphStats:
                       int(params), active, wbytes, read, wread, state)
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.2f} M"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.2f} MB"
+
+
 def format_summary(graph: Graph, st: GraphStats, context: int) -> str:
     lines = [f"graph {graph.name}: {len(graph.ops)} ops, {len(graph.weights())} weights, "
              f"{len(graph.states())} state tensors",
              "layers: " + ", ".join(f"{n} x {k}" for k, n in st.layers.items()),
              "ops: " + ", ".join(f"{k} {n}" for k, n in st.ops.items()),
-             f"parameters: {st.params / 1e9:,.1f} B ({st.weight_bytes / 1e12:.4f} TB)",
-             f"active parameters per token (batch 1): {st.active_params / 1e9:,.1f} B",
-             f"bytes read per decode step (batch 1, context {context}): {st.bytes_read / 1e9:,.1f} GB "
-             f"(weights {st.weight_bytes_read / 1e9:,.1f} GB)"]
+             f"parameters: {_count(st.params)} ({_bytes(st.weight_bytes)} of weights)",
+             f"active parameters per token (batch 1): {_count(st.active_params)}",
+             f"bytes read per decode step (batch 1, context {context}): {_bytes(st.bytes_read)} "
+             f"(weights {_bytes(st.weight_bytes_read)})"]
     return "\n".join(lines)

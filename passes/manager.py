@@ -85,6 +85,7 @@ def verify_program(prog: Program) -> None:
     if prog.schedule is not None and prog.notes.get("scheduled"):
         from fusec.passes.memory_order import check_schedule
         report = check_schedule(prog.schedule)
+        prog.notes["memory_order"] = report      # the report of the last stage, for the outputs
         if not report.ok:
             raise ValueError(report.first_error())
 
