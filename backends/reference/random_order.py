@@ -244,6 +244,7 @@ class RandomOrderRunner:
                         settle(w)
                     continue
             settle(q)
+        self.last_buffers = vals          # rank 0's buffers after the last step (numeric), for diagnosis
         stuck = [q for q in range(nq) if step[q] < self.steps and s.queues[self.qkeys[q]]]
         if stuck:
             q = stuck[0]
@@ -298,7 +299,7 @@ class RandomOrderRunner:
             return
         if kind is InstrKind.COMPUTE:
             if self.numeric:
-                c["out"] = self._compute(task, c, k)
+                c["out"] = self._compute(task, c, k, vals)
             return
         # STORE
         reg = ins.region
@@ -306,14 +307,14 @@ class RandomOrderRunner:
         tags[(r, buf)][box] = k * VMAX + ver
         if self.numeric:
             if c["out"] is None:
-                c["out"] = self._compute(task, c, k)
+                c["out"] = self._compute(task, c, k, vals)
             src = c["out"].get(buf)
             if src is None:
                 raise ValueError(f"task {task.id} stores %{reg.tensor}, which none of its ops computes")
             dst = vals[(r, buf)]
             dst[box] = src[box].to(dst.dtype)
 
-    def _compute(self, task, c, k) -> dict:
+    def _compute(self, task, c, k, vals) -> dict:
         """Evaluate the task's ops on what its loads saw; returns buffer -> full-size result."""
         g = self.s.graph
         env, poison = {}, c["poison"]
@@ -340,10 +341,15 @@ class RandomOrderRunner:
                         if buf == b:
                             full[box] = data
                             seen[box] = valid
+                    if op.inputs.index(v) in op.opdef.aliases.values() and (0, b) in vals:
+                        # updated in place: elements the op does not touch (cache rows other than
+                        # `pos`) keep the buffer's contents, whether or not the task loaded them
+                        full[~seen] = vals[(0, b)].to(dt)[~seen]
+                        seen[...] = True
                     if dt.is_floating_point:
                         full[~seen] = float("nan")
-                    elif not seen.all():
-                        poison = True
+                    elif any(buf == b and not bool(valid.all()) for buf, _, _, valid in c["loads"]):
+                        poison = True    # stale ids/positions: anything computed from them is garbage
                     args.append(full)
             outs = op.opdef.ref(args, op.attrs)
             for v, t in zip(op.outputs, outs):
