@@ -278,8 +278,7 @@ class _Sharder:
             parts.append((start, start + n, SPLIT(x.type.rank - 1) if p == COL else FULL, lstart, lstart + ln))
             plans.append(0 if p == COL else -1)
             start, lstart = start + n, lstart + ln
-        nw = self._declare(w, (lstart, w.type.shape[1]), {"split": tuple(plans)})
-        self.g.param_attrs[w.name] = {"sources": tuple(sources), "split": tuple(plans), "ranks": self.R}
+        nw = self._declare(w, (lstart, w.type.shape[1]), {"split": tuple(plans)})   # keeps `sources`
         self.copy_op(op, [self.to(self.act(x), FULL), nw], layouts=[("parts", tuple(parts))])
 
     def _source_rows(self, op: Op) -> list[int]:
@@ -360,7 +359,7 @@ class _Sharder:
         else:
             self._op_default(op)
 
-    def _mla(self, op: Op, acts: list[Value], kv_b: Value | None, full_ops: list[Value]) -> None:
+    def _mla(self, op: Op, acts: list[Value], kv_b: Value | None) -> None:
         if not self._heads_split(op, acts):
             return self._op_default(op)
         new_in = []
@@ -374,16 +373,16 @@ class _Sharder:
         self.copy_op(op, new_in, {**op.attrs, "heads": op.attrs["heads"] // self.R}, layouts=[SPLIT(1)])
 
     def _op_mla_attention_naive(self, op):
-        self._mla(op, op.inputs[:2], op.inputs[3], [])
+        self._mla(op, op.inputs[:2], op.inputs[3])
 
     def _op_mla_q_absorb(self, op):
-        self._mla(op, op.inputs[:1], op.inputs[1], [])
+        self._mla(op, op.inputs[:1], op.inputs[1])
 
     def _op_mla_attention(self, op):
-        self._mla(op, op.inputs[:2], None, [])
+        self._mla(op, op.inputs[:2], None)
 
     def _op_mla_v_up(self, op):
-        self._mla(op, op.inputs[:1], op.inputs[1], [])
+        self._mla(op, op.inputs[:1], op.inputs[1])
 
     def _op_rope(self, op: Op) -> None:
         x, pos = op.inputs
