@@ -252,3 +252,15 @@ def test_numerics_check_catches_a_misplaced_reduction():
     broken = parse_fir(text.replace("rms_norm(%combine.all_reduce,", "rms_norm(%combine,"))
     with pytest.raises(AssertionError, match="output %resid"):
         check_same_numerics(parse_fir_file(CASES / "shard_moe.fir"), broken, 2, {"B": 3})
+
+
+def test_param_annotation_syntax():
+    from fusec.ir.parser import FirSyntaxError
+    text = ("graph t (B) {\n  io %x : bf16[B, 4]\n"
+            "  weight %w : bf16[2, 4] {sources = [a.w, b.w], split = [0, -1], ranks = 2}\n"
+            "  %y : bf16[B, 2] = linear(%x, %w)\n  return %y\n}\n")
+    g = parse_fir(text)
+    assert g.param_attrs["w"] == {"sources": ("a.w", "b.w"), "split": (0, -1), "ranks": 2}
+    assert print_graph(g) == text
+    with pytest.raises(FirSyntaxError, match=r"<string>:3:\d+: attribute 'ranks' given twice"):
+        parse_fir(text.replace("ranks = 2}", "ranks = 2, ranks = 4}"))
