@@ -3,7 +3,7 @@ whole-graph figures (parameters, active parameters, bytes per token) from `OpDef
 
 Task time (one CTA on one SM), used by the list scheduler (`passes/schedule.py`):
     t = TASK_OVERHEAD_US + max(bytes / (hbm_bw / sms), flops / (peak_flops / sms))
-          + (remote stores only) link latency + remote bytes / (link_bw / sms)
+          + (pushes only) link latency + remote bytes / (link_bw / concurrent pushes)
 A decode step streams weights with every SM busy, so one SM's fair share of HBM bandwidth is
 the right rate for a task; a task that runs alone is predicted pessimistically.
 TASK_OVERHEAD_US = 1.5 us: the acquire spin on an event written by another SM (an L2 round
@@ -52,12 +52,16 @@ def gpu_spec(name: str) -> GpuSpec:
 
 
 def task_time_us(spec: GpuSpec, nbytes: float, flops: float, remote_bytes: float = 0.0,
-                 remote_hops: int = 0, sms: int | None = None) -> float:
-    """Predicted duration of one task (see the module docstring)."""
+                 remote_hops: int = 0, sms: int | None = None, off_domain: bool = False,
+                 remote_streams: int = 1) -> float:
+    """Predicted duration of one task (see the module docstring). A push shares the link with
+    `remote_streams` concurrent pushes (the other peers of its collective); a push to a peer
+    outside the NVLink domain (`off_domain`) pays the network's bandwidth and latency instead."""
     n = sms or spec.sms
     t = TASK_OVERHEAD_US + max(nbytes / (spec.hbm_bw / n), flops / (spec.flops / n)) * 1e6
     if remote_bytes:
-        t += remote_bytes / (spec.nvlink_bw / n) * 1e6 + spec.nvlink_lat_us * max(1, remote_hops)
+        bw, lat = (spec.net_bw, spec.net_lat_us) if off_domain else (spec.nvlink_bw, spec.nvlink_lat_us)
+        t += remote_bytes / (bw / max(1, remote_streams)) * 1e6 + lat * max(1, remote_hops)
     return t
 
 

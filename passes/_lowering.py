@@ -401,6 +401,7 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
         boxes = dict(pro_boxes)
         loads = dict(pro_loads)
         addr: dict[str, str] = {}
+        epf: dict[str, float] = {}
         flops = 0.0
         for k, (o, ab, fpe) in enumerate(tiled_ops):
             if tile is None:                 # untiled unit: each op computes its whole output
@@ -424,6 +425,8 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                     src = ab.get(i)
                     if src is not None:
                         addr[vn] = ctx.storage[o.inputs[src].name]
+                        # expert parallel: a slot's expert is on this rank with odds 1 / ep_ranks
+                        epf[vn] = 1.0 / o.attrs.get("ep_ranks", 1)
             for v, bx in zip(o.outputs, _out_boxes(ctx, o, ob)):
                 boxes[v.name] = bx
             flops += fpe * math.prod([b - a for a, b in ob])
@@ -435,7 +438,7 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
             if hit is None:
                 nb = ctx.nbytes(vn, box)
                 if a is not None and ctx.kind[vn] is Kind.weight:   # one expert's rows of the box
-                    nb /= ctx.shape[vn][0]
+                    nb *= epf.get(vn, 1.0) / ctx.shape[vn][0]
                 hit = memo[key] = (Instr(InstrKind.LOAD, Region(ctx.storage[vn], box), addressed_by=a), nb)
             instrs.append(hit[0])
             nbytes += hit[1]
@@ -478,7 +481,8 @@ def _emit_collective(ctx: _Ctx, name: str, op: Op) -> list[Unit]:
         ins += [Instr(InstrKind.COMPUTE),
                 Instr(InstrKind.STORE, Region(slot, ((d, d + 1), *full_box(xs)), rank=d))]
         t = Task(len(ctx.tasks), 0, -1, "comm_push", (y.name,), ((d, d + 1),), ins,
-                 task_time_us(ctx.spec, xb, 0.0, remote_bytes=xb, remote_hops=1, sms=ctx.sms))
+                 task_time_us(ctx.spec, xb, 0.0, remote_bytes=xb, remote_hops=1, sms=ctx.sms,
+                              off_domain=d >= ctx.spec.nvlink_domain, remote_streams=R - 1))
         ctx.tasks.append(t)
         push.task_ids.append(t.id)
         i = len(push.task_ids) - 1
