@@ -98,6 +98,55 @@ def _signalers(s: Schedule) -> dict[int, set[int]]:
     return out
 
 
+class _Order:
+    """A small independent happens-before (task granularity, BFS) to pick sites where a wait
+    really is the only thing ordering a load after its producer. Works on rank 0 of the
+    materialized schedule (its task ids equal the replicated ones)."""
+
+    def __init__(self, s: Schedule):
+        self.m = s.materialize() if getattr(s, "replicated", False) and s.ranks > 1 else s
+        self.prev = {}
+        for ids in self.m.queues.values():
+            for a, b in zip(ids, ids[1:]):
+                self.prev[b] = a
+        self.sig: dict[tuple[int, int], list[int]] = {}
+        for t in self.m.tasks:
+            for i in t.instrs:
+                if i.kind is InstrKind.SIGNAL:
+                    self.sig.setdefault((i.peer if i.peer is not None else t.rank, i.event), []).append(t.id)
+
+    def preds(self, tid: int, skip: set[int] = frozenset()) -> list[int]:
+        t = self.m.tasks[tid]
+        out = [self.prev[tid]] if tid in self.prev else []
+        for k, i in enumerate(t.instrs):
+            if i.kind is InstrKind.WAIT and k not in skip:
+                sg = self.sig.get((i.peer if i.peer is not None else t.rank, i.event), [])
+                if sg and i.threshold >= len(sg):
+                    out += sg
+        return out
+
+    def ancestors(self, tid: int, skip: set[int] = frozenset()) -> set[int]:
+        seen, todo = set(), self.preds(tid, skip)
+        while todo:
+            x = todo.pop()
+            if x not in seen:
+                seen.add(x)
+                todo += self.preds(x)
+        return seen
+
+    def ordered(self, producer: int, tid: int, skip: set[int]) -> bool:
+        """Is `producer` an ancestor of task `tid` when its waits `skip` are ignored?"""
+        seen, todo = set(), self.preds(tid, skip)
+        while todo:
+            x = todo.pop()
+            if x == producer:
+                return True
+            if x not in seen:
+                seen.add(x)
+                todo += self.preds(x)
+        return False
+
+
 def _pick(rng, items, why: str):
     if not items:
         raise MutationSkipped(why)
@@ -123,12 +172,20 @@ def _hoist_sites(s: Schedule, want_addressed: bool):
                 src = s.graph.value(src).name if s.graph.has_value(src) else src
             else:
                 src = i.region.tensor
-                if i.addressed_by or _kind(s, src) in (Kind.weight, Kind.io) or i.region.rank is not None:
+                if i.addressed_by or _kind(s, src) in (Kind.weight, Kind.io, Kind.state) or i.region.rank is not None:
                     continue
             prods = writers.get(src, set()) - {t.id}
             if prods and any(q.get(p) != q.get(t.id) for p in prods):
-                sites.append((t.id, k, waits[0]))
-    return sites
+                sites.append((t.id, k, waits[0], tuple(sorted(prods))))
+    rng = random.Random(len(sites))
+    rng.shuffle(sites)
+    order = _Order(s)
+    keep = []
+    for tid, k, w, prods in sites[:64]:   # bounded: the BFS is linear in the schedule
+        skip = {j for j, i in enumerate(s.tasks[tid].instrs) if i.kind is InstrKind.WAIT}
+        if any(not order.ordered(p, tid, skip) for p in prods):
+            keep.append((tid, k, w))
+    return keep
 
 
 def _hoist(s: Schedule, rng, addressed: bool) -> str:
@@ -150,14 +207,15 @@ def _hoist_addr(s, rng):
 
 
 def _drop_wait(s, rng):
-    q, sig = _queue_of(s), _signalers(s)
+    writers, order = _writers(s), _Order(s)
     sites = []
     for tid, k, w in _hoist_sites(s, False):
         t = s.tasks[tid]
-        waits = [j for j, i in enumerate(t.instrs) if i.kind is InstrKind.WAIT and i.peer is None]
-        if len(waits) == 1 and any(q.get(p) != q.get(tid) for p in sig.get(t.instrs[waits[0]].event, ())):
-            sites.append((tid, waits[0]))
-    tid, j = _pick(rng, set(sites), "no task ordered by a single local wait")
+        prods = writers.get(t.instrs[k].region.tensor, set()) - {tid}
+        for j in range(w, k):
+            if t.instrs[j].kind is InstrKind.WAIT and any(not order.ordered(p, tid, {j}) for p in prods):
+                sites.append((tid, j))
+    tid, j = _pick(rng, set(sites), "no wait that alone orders a load after its producer")
     ins = s.tasks[tid].instrs.pop(j)
     return f"task {tid}: wait e{ins.event} >= {ins.threshold} dropped"
 
@@ -169,7 +227,14 @@ def _early_signal(s, rng):
         sigs = [k for k, i in enumerate(t.instrs) if i.kind is InstrKind.SIGNAL]
         if stores and sigs and sigs[0] > stores[-1]:
             sites.append((t.id, sigs[0], stores[0]))
-    tid, k, first = _pick(rng, sites, "no task signals after a store")
+    counts: dict[tuple, int] = {}
+    for t in s.tasks:
+        for i in t.instrs:
+            if i.kind is InstrKind.SIGNAL:
+                counts[(i.peer, i.event)] = counts.get((i.peer, i.event), 0) + 1
+    # prefer a counter with one signaler: its early signal alone releases the consumer
+    alone = [x for x in sites if counts[(s.tasks[x[0]].instrs[x[1]].peer, s.tasks[x[0]].instrs[x[1]].event)] == 1]
+    tid, k, first = _pick(rng, alone or sites, "no task signals after a store")
     t = s.tasks[tid]
     ins = t.instrs.pop(k)
     t.instrs.insert(first, ins)
@@ -195,9 +260,15 @@ def _full_waits(s: Schedule):
 
 def _threshold(s, rng, delta: int):
     sites = _full_waits(s)
-    if delta < 0:   # only waits that order a load produced on another queue
-        hoists = {(tid, w) for tid, _, w in _hoist_sites(s, False)}
-        sites = [x for x in sites if x in hoists]
+    if delta < 0:   # only waits that alone order a load after its producer
+        writers, order = _writers(s), _Order(s)
+        need = set()
+        for tid, k, w in _hoist_sites(s, False):
+            prods = writers.get(s.tasks[tid].instrs[k].region.tensor, set()) - {tid}
+            for j in range(w, k):
+                if any(not order.ordered(p, tid, {j}) for p in prods):
+                    need.add((tid, j))
+        sites = [x for x in sites if x in need]
     tid, k = _pick(rng, sites, "no wait for all signals of an event")
     t = s.tasks[tid]
     ins = t.instrs[k]
@@ -214,7 +285,26 @@ def _comm_reuse(s, rng):
         for k, i in enumerate(t.instrs):
             if stores_peer and i.kind is InstrKind.WAIT and i.threshold == 0:
                 sites.append((t.id, k))
-    tid, k = _pick(rng, sites, "no peer write guarded by an ack wait (threshold 0)")
+    # keep acks that matter: the slot's readers on the peer do not reach the writer's rank
+    # within the step some other way (e.g. through the next collective)
+    order = _Order(s)
+    m = order.m
+    ends = {r: [ids[-1] for (rr, _), ids in m.queues.items() if rr == r and ids] for r in range(s.ranks)}
+    keep = []
+    for tid, k in sites:
+        t = m.tasks[tid]
+        for i in t.instrs:
+            if i.kind is InstrKind.STORE and i.region.rank not in (None, t.rank):
+                readers = [u.id for u in m.tasks if u.rank == i.region.rank and any(
+                    j.kind is InstrKind.LOAD and j.region.tensor == i.region.tensor and j.region.rank is None
+                    and j.region.overlaps(replace(i.region, rank=None)) for j in u.instrs)]
+                # step k+1's write also follows step k's read if the writer already depends on
+                # a task of the reader's rank in step k+1 (that rank finished step k first)
+                late = any(m.tasks[a].rank == i.region.rank for a in order.ancestors(tid, {k}))
+                if not late and any(not any(order.ordered(rd, e, set()) for e in ends[t.rank]) for rd in readers):
+                    keep.append((tid, k))
+                    break
+    tid, k = _pick(rng, keep, "every ack wait is redundant (readers reach the writer's rank, or the writer follows the reader's rank, within the step)")
     ins = s.tasks[tid].instrs.pop(k)
     return f"task {tid}: ack wait e{ins.event} >= 0 before a peer comm write dropped"
 
