@@ -349,19 +349,19 @@ def v6_signal_semantics(s: Schedule) -> list[Violation]:
             if i.kind is InstrKind.SIGNAL:
                 if k < last_store:
                     r = t.instrs[last_store].region
-                    out.append(Violation(Rule.V6, t.id, region_str(r, r.rank), f"signal e{i.event}",
-                                         "signal issued before the task's last store"))
+                    out.append(Violation(Rule.V6, t.id, region_str(r, r.rank), "",
+                                         f"signal e{i.event} issued before the task's last store"))
                 if i.sem is not Sem.release:
-                    out.append(Violation(Rule.V6, t.id, "", f"signal e{i.event}",
-                                         f"signal uses {i.sem.value} semantics, needs release"))
+                    out.append(Violation(Rule.V6, t.id, "", "",
+                                         f"signal e{i.event} uses {i.sem.value} semantics, needs release"))
             if i.kind is InstrKind.WAIT and i.sem is not Sem.acquire:
-                out.append(Violation(Rule.V6, t.id, "", f"wait e{i.event} >= {i.threshold}",
+                out.append(Violation(Rule.V6, t.id, "", f"e{i.event} >= {i.threshold}",
                                      f"wait uses {i.sem.value} semantics, needs acquire"))
             remote = i.peer is not None and i.peer != t.rank
             if i.kind is InstrKind.WAIT and not remote:   # a local counter that peers signal
                 remote = (t.rank, i.event) in remote_sig
             if i.kind in (InstrKind.WAIT, InstrKind.SIGNAL) and remote and i.scope is not Scope.sys:
-                out.append(Violation(Rule.V6, t.id, "", f"{i.kind.value} e{i.event}",
+                out.append(Violation(Rule.V6, t.id, "", f"e{i.event} >= {i.threshold}" if i.kind is InstrKind.WAIT else "",
                                      f"cross-GPU {i.kind.value} e{i.event} uses {i.scope.value} scope, needs sys"))
     return out
 
