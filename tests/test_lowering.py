@@ -298,3 +298,16 @@ def test_split_sequence_attention_keeps_the_step_numerics(monkeypatch):
                                  dims, "fp32")
         outs.append(logits)
     assert torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_r2_default_pipeline_passes_the_memory_order_verifier():
+    from fusec.passes.manager import PIPELINES
+    from fusec.passes.memory_order import check_schedule
+    prog = Program(kimi_k3.build_graph("tiny"), Options(verify_each_pass=False, ranks=2, batch=2, max_len=32))
+    run_pipeline(prog, PIPELINES["default"])
+    s = prog.schedule
+    assert s.replicated and any(t.body_kind == "comm_push" for t in s.tasks)
+    rep = check_schedule(s)
+    assert rep.ok, rep.first_error()
+    m = s.materialize()
+    assert {t.rank for t in m.tasks} == {0, 1} and len(m.queues) == 2 * len(s.queues)
