@@ -4,7 +4,7 @@ Requires: `tile` ran (`prog.notes["units"]`, a topological order; collectives al
 per peer offset into a push family, one task per peer, and a local reduce/gather family).
 Ensures: the same units in another topological order in which
 - every push family is issued as soon as its operand is ready (transfers start early);
-- every local reduce/gather family is issued as late as its first consumer allows, so families
+- every local reduce/gather family is issued only when no ordinary family is ready, so families
   that do not depend on the collective (the shared expert beside the routed experts' combine,
   the next mixer's independent GEMVs) take the SMs while the bytes are in flight.
 A collective whose result is needed by the very next family has nothing to hide behind: that
@@ -28,19 +28,17 @@ def run(prog: Program) -> bool:
         log(prog.opts, "overlap", "no collectives: nothing to overlap")
         return False
     pos = {u.name: i for i, u in enumerate(units)}
-    consumers: dict[str, list[int]] = {u.name: [] for u in units}
-    for u in units:
-        for d in u.deps:
-            consumers[d].append(pos[u.name])
-    key: dict[str, float] = {}
+    # Kahn's order with priorities: pushes first, then ordinary families, and a collective's
+    # local reduce/gather only when no ordinary family is ready (it waits on the wire anyway)
+    key: dict[str, tuple] = {}
     for u in units:
         i = pos[u.name]
         if u.body == "comm_push":
-            key[u.name] = -1e12 + i                  # as soon as ready
-        elif u.collective and consumers[u.name]:
-            key[u.name] = min(consumers[u.name]) - 0.5   # just before its first consumer
+            key[u.name] = (0, i)
+        elif u.collective:
+            key[u.name] = (2, i)
         else:
-            key[u.name] = float(i)
+            key[u.name] = (1, i)
     indeg = {u.name: len(u.deps) for u in units}
     succ: dict[str, list[str]] = {u.name: [] for u in units}
     for u in units:

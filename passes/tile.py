@@ -8,7 +8,7 @@ and STORE instructions with exact, in-bounds regions (no WAIT/SIGNAL yet, sm = -
 `prog.notes["units"]` lists the task families (`Unit`) in a topological order; `schedule`
 adds events, waits and SM queues.
 
-How a group becomes tasks (the region rules live in `passes/_regions.py`):
+How a group becomes tasks (the region rules live in `passes/_lowering.py`):
 - the anchor is the group's first gemv / expert / attention / recurrence op; the tile is a box
   of its first output; a GEMV splits along output rows, into as many tasks as keep every task
   streaming >= MIN_TASK_BYTES of weights, at most one per SM;
@@ -25,13 +25,13 @@ How a group becomes tasks (the region rules live in `passes/_regions.py`):
   state parameter's own name (the region they read);
 - a collective becomes a push unit (one task per peer offset d: write the whole operand into
   slot d of the peer's `comm` buffer, signal the peer at system scope) and a local unit that
-  reduces or gathers the slots (see `passes/_collectives.py`).
+  reduces or gathers the slots (`_emit_collective` in `passes/_lowering.py`; events and the
+  V4 acknowledgement in `passes/schedule.py`).
 """
 from __future__ import annotations
 
 from fusec.config import log
 from fusec.ir.schedule import Schedule
-from fusec.ir.types import Kind
 
 from ._lowering import Unit, build_units, split_sequence
 from .manager import Program, register_pass
@@ -53,4 +53,4 @@ def run(prog: Program) -> bool:
     return True
 
 
-__all__ = ["run", "Unit", "Kind"]
+__all__ = ["run", "Unit"]

@@ -68,17 +68,23 @@ def happens_before(s):
         for i in t.instrs:
             if i.kind is InstrKind.SIGNAL and i.peer is None:
                 sig[i.event].add(t.id)
-    order = [tid for q in s.queues.values() for tid in q]
     before = {}
-    for tid in sorted(order, key=lambda x: x):        # task ids are issued in topological order
-        t = s.tasks[tid]
-        acc = set()
-        for i in t.instrs:
-            if i.kind is InstrKind.WAIT and i.threshold:
-                for p in sig[i.event]:
-                    acc.add(p)
-                    acc |= before[p]
-        before[tid] = acc
+    pending = sorted(tid for q in s.queues.values() for tid in q)
+    while pending:                                     # any order in which waits are satisfied
+        rest = []
+        for tid in pending:
+            t = s.tasks[tid]
+            srcs = [p for i in t.instrs if i.kind is InstrKind.WAIT and i.threshold for p in sig[i.event]]
+            if any(p not in before for p in srcs):
+                rest.append(tid)
+                continue
+            acc = set()
+            for p in srcs:
+                acc.add(p)
+                acc |= before[p]
+            before[tid] = acc
+        assert len(rest) < len(pending), "waits can never be satisfied"
+        pending = rest
     return before
 
 
