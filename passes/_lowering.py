@@ -6,6 +6,8 @@ buffers). Each task's instructions are LOADs, one COMPUTE and STOREs; events are
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -243,19 +245,20 @@ def _cut_rules(ctx: _Ctx, anchor: Op, epi: list[Op]) -> list[tuple[int, int, int
     return rules
 
 
-def _snap(c: int, n: int, rules) -> int:
-    """The allowed cut nearest to c (0 and n are always allowed)."""
+@functools.lru_cache(maxsize=None)
+def _cuts(n: int, parts: int, rules: tuple) -> list[tuple[int, int]]:
+    """`parts` near-equal ranges of [0, n) whose inner boundaries obey every rule (memoised:
+    the 93 layers repeat the same shapes)."""
     def ok(x):
         return all(not (s < x < e) or (x - s) % st == 0 for s, e, st in rules)
-    for k in range(0, n):
-        for x in (c - k, c + k):
-            if 0 <= x <= n and ok(x):
-                return x
-    return n
-
-
-def _cuts(n: int, parts: int, rules) -> list[tuple[int, int]]:
-    pts = sorted({0, n, *(_snap(round(i * n / parts), n, rules) for i in range(1, parts))})
+    allowed = [x for x in range(0, n + 1) if ok(x)]      # 0 and n are always allowed
+    pts = {0, n}
+    for i in range(1, parts):
+        c = round(i * n / parts)
+        j = bisect.bisect_left(allowed, c)
+        near = [allowed[k] for k in (j - 1, j) if 0 <= k < len(allowed)]
+        pts.add(min(near, key=lambda x: (abs(x - c), x)))
+    pts = sorted(pts)
     return [(a, b) for a, b in zip(pts, pts[1:]) if b > a]
 
 
@@ -300,7 +303,7 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
     elif anchor.opname == "kda_recurrent":
         w += ctx.nbytes(anchor.inputs[5], ctx.fb[anchor.inputs[5].name])
     n = min(ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
-    return [fb[:-1] + (r,) for r in _cuts(s[-1], n, rules)], anchor.opname
+    return [fb[:-1] + (r,) for r in _cuts(s[-1], n, tuple(rules))], anchor.opname
 
 
 # -- units -----------------------------------------------------------------------------------
