@@ -18,7 +18,8 @@ import types
 
 import jinja2
 
-from .plan import (ATTN_RES_MAX_SOURCES, ERR_WORDS, KDA_MAX_HEAD_DIM, ROUTER_MAX_TOPK, ROUTER_PER_THREAD, ROW_WORDS, ErrWord, EwOp,
+from .plan import (ATTN_RES_MAX_SOURCES, ERR_WORDS, KDA_MAX_HEAD_DIM, MLA_MAX_LORA, MLA_MAX_ROPE,
+                   MlaMode, ROUTER_MAX_TOPK, ROUTER_PER_THREAD, ROW_WORDS, ErrWord, EwOp,
                    ExpertMode, F32Flag, KernelPlan, Word)
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
@@ -48,6 +49,9 @@ def render(plan: KernelPlan) -> str:
         router_max_topk=ROUTER_MAX_TOPK,
         attn_res_max_sources=ATTN_RES_MAX_SOURCES,
         kda_max_d=KDA_MAX_HEAD_DIM,
+        mla_max_lora=MLA_MAX_LORA,
+        mla_max_rope=MLA_MAX_ROPE,
+        mla_modes=list(MlaMode),
     )
 
 

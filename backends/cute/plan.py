@@ -136,6 +136,12 @@ class Opcode(enum.IntEnum):
                bf16 of width K; key = norm_w (A1) * proj_w (A5); softmax_j(rms(V_j) . key),
                h = sum_j p_j V_j -> A2 bf16 [B, LDY]; rms_norm(h) * gamma (A6) -> A7 bf16
                [B, LDY]; AUX = f32_pair(attn_res eps, rms_norm eps).
+    MLA        absorbed MLA, split sequence (`MlaMode` in SUB). PARTIAL (mla_attention_partial):
+               items i in N0..N1 = (chunk i // B, batch i % B); q_lat A0 bf16 [B, H, K],
+               q_pe A1 bf16 [B, H, P2], cache A3 bf16 [B, LDX, K + P2], pos A4 int32 [B],
+               partials A2 fp32 [P1, B, H, K + 2] = [o / l, m, l]; LDY = H, P0 = B * H,
+               P1 = chunks, AUX = f32_pair(scale). COMBINE (attention_combine): items (b, h) in
+               N0..N1, A0 = partials, A2 = o fp32 [B, H, K]. K <= 512, P2 <= 64; all contiguous.
     """
 
     NOP = 0
@@ -148,6 +154,7 @@ class Opcode(enum.IntEnum):
     ROUTER = 7
     KDA = 8
     ATTN_RES = 9
+    MLA = 10
 
 
 class ExpertMode(enum.IntEnum):
@@ -192,6 +199,15 @@ ROUTER_PER_THREAD = 4
 ROUTER_MAX_TOPK = 32
 ATTN_RES_MAX_SOURCES = 16
 KDA_MAX_HEAD_DIM = 128
+MLA_MAX_LORA = 512
+MLA_MAX_ROPE = 64
+
+
+class MlaMode(enum.IntEnum):
+    """SUB word of MLA rows."""
+
+    PARTIAL = 0  # per (chunk, batch) task: [o / l, m, l] rows of every head
+    COMBINE = 1  # per (batch, head) items: log-sum-exp merge of the chunks
 
 
 # Elements per 16-byte vector load of bf16 data; GEMV and RMSNORM need K % VEC == 0.
@@ -305,7 +321,9 @@ class KernelPlan:
                                  f"divide threads={self.threads} and D*D be a multiple of it")
             if t.opcode == Opcode.ATTN_RES and not 0 < t.p1 <= ATTN_RES_MAX_SOURCES:
                 raise ValueError(f"task {t.task_id}: attn_res needs 1..{ATTN_RES_MAX_SOURCES} sources")
-            if t.opcode in (Opcode.EW, Opcode.ROUTER, Opcode.KDA, Opcode.ATTN_RES):
+            if t.opcode == Opcode.MLA and (t.k > MLA_MAX_LORA or t.p2 > MLA_MAX_ROPE):
+                raise ValueError(f"task {t.task_id}: MLA needs kv_lora <= {MLA_MAX_LORA}, rope <= {MLA_MAX_ROPE}")
+            if t.opcode in (Opcode.EW, Opcode.ROUTER, Opcode.KDA, Opcode.ATTN_RES, Opcode.MLA):
                 continue  # scalar loads: no vector alignment rules
             vec = VEC_MXFP4 if t.opcode in (Opcode.GEMV_MXFP4, Opcode.EXPERT_MXFP4) else VEC_BF16
             if t.opcode != Opcode.NOP and (t.k % vec or t.n1 < t.n0 or t.ldx % 8 or t.ldy % 8):

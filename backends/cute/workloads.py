@@ -5,7 +5,7 @@ scheduler fills TaskRow fields (addresses from data_ptr(), element strides, tile
 """
 from __future__ import annotations
 
-from .plan import (NO_EVENT, EwOp, ExpertMode, F32Flag, Opcode, TaskRow, f32_bits, f32_pair,
+from .plan import (NO_EVENT, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, TaskRow, f32_bits, f32_pair,
                    split_rows)
 
 # E2M1 magnitudes by the low 3 bits of a nibble; bit 3 is the sign.
@@ -168,6 +168,27 @@ def attn_res_tasks(sources, norm_w, proj_w, gamma, h, y, eps_mix: float, eps_out
                     n0=r, n1=r + 1, k=hw, ldx=sources.stride(1), ldy=h.stride(0), p0=sources.stride(0),
                     p1=j, aux=f32_pair(eps_mix, eps_out), **_wait_kw(wait, signal))
             for r in range(b)]
+
+
+def mla_tasks(q_lat, q_pe, cache, pos, partials, out, scale: float, first_id: int = 0, *,
+              combine_items: int = 32, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> tuple[list, list]:
+    """mla_attention_partial (one task per (chunk, batch)) and attention_combine (tasks of
+    `combine_items` (b, h) items). q_lat bf16 [B, H, lora], q_pe bf16 [B, H, rope], cache bf16
+    [B, L, lora + rope], pos int32 [B], partials fp32 [S, B, H, lora + 2], out fp32 [B, H, lora].
+    Returns (partial rows, combine rows): combine must wait for every partial row."""
+    b, h, lora = q_lat.shape
+    s, rope = partials.shape[0], q_pe.shape[2]
+    for t in (q_lat, q_pe, cache, partials, out):
+        assert t.is_contiguous(), "MLA operands must be contiguous"
+    common = dict(k=lora, ldx=cache.shape[1], ldy=h, p0=b * h, p1=s, p2=rope, aux=f32_pair(scale))
+    part = [TaskRow(Opcode.MLA, first_id + i, a0=q_lat.data_ptr(), a1=q_pe.data_ptr(), a3=cache.data_ptr(),
+                    a4=pos.data_ptr(), a2=partials.data_ptr(), n0=i, n1=i + 1, sub=MlaMode.PARTIAL,
+                    **common, **_wait_kw(wait, signal))
+            for i in range(s * b)]
+    comb = [TaskRow(Opcode.MLA, first_id + s * b + i, a0=partials.data_ptr(), a2=out.data_ptr(), n0=n0,
+                    n1=min(b * h, n0 + combine_items), sub=MlaMode.COMBINE, **common)
+            for i, n0 in enumerate(range(0, b * h, combine_items))]
+    return part, comb
 
 
 def random_mxfp4(n: int, k: int, device, generator=None):

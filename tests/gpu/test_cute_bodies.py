@@ -109,3 +109,33 @@ def test_kda_attn_res_append_match_registry():
     assert wl.rel_err(h, h_ref) < 2e-2
     assert wl.rel_err(y, ref("rms_norm", (h_ref.to(BF), gam), eps=1e-6, out_dtype="")[0]) < 2e-2
     assert torch.equal(cache, ref("cache_append", (cache0, row, pos))[0])
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_mla_split_sequence_matches_registry(batch):
+    """Partials of 4 chunks (one chunk past pos stays empty), then the combine waits on them."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    h, lora, rope, length, chunks = 8, 512, 64, 40, 4
+    q_lat, q_pe = (r(batch, h, lora) * 0.05).to(BF), (r(batch, h, rope) * 0.1).to(BF)
+    cache = r(batch, length, lora + rope).to(BF)
+    pos = torch.tensor([25, 3, 39, 0][:batch], device="cuda", dtype=torch.int32)
+    parts = torch.full((chunks, batch, h, lora + 2), float("nan"), device="cuda")
+    out = torch.full((batch, h, lora), float("nan"), device="cuda")
+    at = dict(heads=h, nope=128, rope=rope, kv_lora=lora, v_dim=128, scale=0.07)
+    part, comb = wl.mla_tasks(q_lat, q_pe, cache, pos, parts, out, 0.07, 0, signal=0)
+    import dataclasses
+    comb = [dataclasses.replace(t, wait_event=0, wait_per_step=len(part)) for t in comb]
+    tasks = part + comb
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), len(tasks)), num_events=1,
+                      batch=batch, threads=256, name=f"k3b_mla{batch}")
+    rt = Megakernel(plan)
+    rt.step()
+    rt.check()
+    p_ref = ref("mla_attention_partial", (q_lat, q_pe, cache, pos), chunks=chunks, **at)[0]
+    assert torch.equal(torch.isinf(parts[..., lora]), torch.isinf(p_ref[..., lora]))  # empty chunks
+    fin = torch.isfinite(p_ref[..., lora])
+    assert wl.rel_err(parts[fin], p_ref[fin]) < 2e-2
+    o_ref = ref("attention_combine", (p_ref,))[0]
+    assert wl.rel_err(out, o_ref) < 2e-2
+    assert wl.rel_err(out, ref("mla_attention", (q_lat, q_pe, cache, pos), **at)[0]) < 2e-2
