@@ -3,9 +3,9 @@
 Numerics: the hand-written schedules run numerically (every order compares the graph outputs of
 two steps with the reference executor). K3 tiny runs 1,000 orders per rank count with the
 symbolic poison/dataflow check (every read must see the value its version names, written in
-this step — exactly what NaN poisoning detects); its numeric runs are in
-benchmarks/stress_random_order.py (an order costs tens of seconds on CPU: every task evaluates
-its whole ops' references).
+this step — exactly what NaN poisoning detects); one of its orders also runs numerically
+against the reference (an order costs seconds on CPU: every task evaluates its whole ops'
+references); benchmarks/stress_random_order.py runs more.
 """
 from __future__ import annotations
 
@@ -98,3 +98,10 @@ def test_k3_tiny_1000_orders_symbolic(k3_tiny, ranks):
         if not r.ok:
             bad.append(r)
     assert not bad, f"{len(bad)} of 1000 orders failed, e.g. seed {bad[0].seed}: {bad[0].why()}"
+
+
+def test_k3_tiny_numeric_orders_match_reference(k3_tiny):
+    run = RandomOrderRunner(k3_tiny[1], steps=2, numeric=True)
+    r = run.run(seed=7)
+    assert r.ok, r.why()
+    assert r.instrs > 2 * len(k3_tiny[1].tasks)     # both steps ran every task
