@@ -12,10 +12,10 @@ Configs: `full` (default), `tiny`, `slice4`, `slice4-e128`; any field can be ove
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from fusec.ir.builder import GraphBuilder
+from fusec.modelconfig import select_config
 from fusec.ir.graph import Graph, Value
 from fusec.ir.types import DType
 
@@ -81,14 +81,7 @@ DEFAULT_CONFIG = "full"
 
 
 def get_config(config: str | K3Config = DEFAULT_CONFIG, **overrides) -> K3Config:
-    cfg = config if isinstance(config, K3Config) else CONFIGS.get(config)
-    if cfg is None:
-        raise ValueError(f"unknown config '{config}' for kimi_k3 (have: {', '.join(CONFIGS)})")
-    fields = {f.name: f for f in dataclasses.fields(K3Config)}
-    for k in overrides:
-        if k not in fields:
-            raise ValueError(f"kimi_k3 config has no field '{k}'")
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+    return select_config("kimi_k3", CONFIGS, config, overrides)
 
 
 def build_graph(config: str | K3Config = DEFAULT_CONFIG, **overrides) -> Graph:

@@ -12,10 +12,10 @@ sequence's position; keys are cached after RoPE (as HF does), so the cache is po
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from fusec.ir.builder import GraphBuilder
+from fusec.modelconfig import select_config
 from fusec.ir.graph import Graph
 from fusec.ir.types import DType
 
@@ -50,14 +50,7 @@ DEFAULT_CONFIG = "llama-3.2-1b"
 
 
 def get_config(config: str | LlamaConfig = DEFAULT_CONFIG, **overrides) -> LlamaConfig:
-    cfg = config if isinstance(config, LlamaConfig) else CONFIGS.get(config)
-    if cfg is None:
-        raise ValueError(f"unknown config '{config}' for llama (have: {', '.join(CONFIGS)})")
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-    for k in overrides:
-        if k not in fields:
-            raise ValueError(f"llama config has no field '{k}'")
-    c = dataclasses.replace(cfg, **overrides) if overrides else cfg
+    c = select_config("llama", CONFIGS, config, overrides)
     if c.heads % c.kv_heads:
         raise ValueError(f"llama config: heads ({c.heads}) must be a multiple of kv_heads ({c.kv_heads})")
     return c
