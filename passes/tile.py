@@ -25,7 +25,7 @@ How a group becomes tasks (the region rules live in `passes/_lowering.py`):
   state parameter's own name (the region they read);
 - a collective becomes a push unit (one task per peer offset d: write the whole operand into
   slot d of the peer's `comm` buffer, signal the peer at system scope) and a local unit that
-  reduces or gathers the slots (`_emit_collective` in `passes/_lowering.py`; events and the
+  reduces or gathers the slots (`emit_collective` in `passes/_collectives.py`; events and the
   V4 acknowledgement in `passes/schedule.py`).
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ from __future__ import annotations
 from fusec.config import log
 from fusec.ir.schedule import Schedule
 
-from ._lowering import Unit, build_units, split_sequence
+from ._collectives import split_sequence
+from ._lowering import Unit, build_units
 from .manager import Program, register_pass
 
 
