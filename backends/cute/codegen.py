@@ -18,7 +18,7 @@ import types
 
 import jinja2
 
-from .plan import (ATTN_RES_MAX_SOURCES, ERR_WORDS, KDA_MAX_HEAD_DIM, MLA_MAX_LORA, MLA_MAX_ROPE,
+from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ERR_WORDS, KDA_MAX_HEAD_DIM, MLA_MAX_LORA, MLA_MAX_ROPE,
                    MlaMode, ROUTER_MAX_TOPK, ROUTER_PER_THREAD, ROW_WORDS, ErrWord, EwOp,
                    ExpertMode, F32Flag, KernelPlan, Word)
 
@@ -51,6 +51,7 @@ def render(plan: KernelPlan) -> str:
         kda_max_d=KDA_MAX_HEAD_DIM,
         mla_max_lora=MLA_MAX_LORA,
         mla_max_rope=MLA_MAX_ROPE,
+        attn_max_d=ATTN_MAX_HEAD_DIM,
         mla_modes=list(MlaMode),
     )
 

@@ -142,6 +142,16 @@ class Opcode(enum.IntEnum):
                partials A2 fp32 [P1, B, H, K + 2] = [o / l, m, l]; LDY = H, P0 = B * H,
                P1 = chunks, AUX = f32_pair(scale). COMBINE (attention_combine): items (b, h) in
                N0..N1, A0 = partials, A2 = o fp32 [B, H, K]. K <= 512, P2 <= 64; all contiguous.
+    ATTENTION  grouped-query decode attention (IR op attention), one warp per item i = b * H + h
+               in N0..N1: q A0 bf16 [B, LDX] (head h at column h * K), caches A1 (k) and A5 (v)
+               bf16 [B, L, KVH * K] with contiguous rows and batch stride P1 elements, P0 = H,
+               P2 = H / KVH (query heads per kv head), pos A4 int32 [B] read after the wait
+               (rows 0..pos[b] inclusive), out A2 bf16 [B, LDY], AUX = f32_pair(scale),
+               K = head dim (a multiple of 32, <= ATTN_MAX_HEAD_DIM).
+    ARGMAX     greedy token (IR op argmax): one warp per row b in N0..N1 of x A0 fp32 [B, LDX]
+               (bf16 when P1 has no F32Flag.A0), K columns, lowest index wins ties -> A2 int32 [B].
+
+    GEMV_BF16 rows with F32Flag.OUT in P1 store fp32 (linear {out_dtype = "f32"}, the lm head).
     """
 
     NOP = 0
@@ -155,6 +165,8 @@ class Opcode(enum.IntEnum):
     KDA = 8
     ATTN_RES = 9
     MLA = 10
+    ATTENTION = 11
+    ARGMAX = 12
 
 
 class ExpertMode(enum.IntEnum):
@@ -179,6 +191,11 @@ class EwOp(enum.IntEnum):
     GATED_RMS = 8    # per head of P2: rms(a) * A3[c % P2] * sigmoid(b)          [gated_rms_norm]
     APPEND = 9       # cache (A1)[b, pos[b], c] = a[b, c]; pos = A3 int32 [B] read at run time
                      # (V3), P0 = cache batch stride, LDY = cache row stride    [cache_append]
+    ROPE = 10        # rotate_half rotary embedding per head of P2 columns; pos = A3 int32 [B],
+                     # inv_freq = A4 fp32 [P2 / 2]; out must not alias a            [rope]
+    GATHER = 11      # out[b, c] = table (A0)[ids[b], c]; ids = A3 int32 [B], LDX = table row
+                     # stride (read after the wait, V3)                          [embedding]
+    COPY = 12        # a converted to the out dtype                              [cast]
 
 
 # EW sub-opcodes handled one warp per head (a reduction), the rest one thread per element.
@@ -201,6 +218,7 @@ ATTN_RES_MAX_SOURCES = 16
 KDA_MAX_HEAD_DIM = 128
 MLA_MAX_LORA = 512
 MLA_MAX_ROPE = 64
+ATTN_MAX_HEAD_DIM = 128
 
 
 class MlaMode(enum.IntEnum):
@@ -323,7 +341,11 @@ class KernelPlan:
                 raise ValueError(f"task {t.task_id}: attn_res needs 1..{ATTN_RES_MAX_SOURCES} sources")
             if t.opcode == Opcode.MLA and (t.k > MLA_MAX_LORA or t.p2 > MLA_MAX_ROPE):
                 raise ValueError(f"task {t.task_id}: MLA needs kv_lora <= {MLA_MAX_LORA}, rope <= {MLA_MAX_ROPE}")
-            if t.opcode in (Opcode.EW, Opcode.ROUTER, Opcode.KDA, Opcode.ATTN_RES, Opcode.MLA):
+            if t.opcode == Opcode.ATTENTION and not (0 < t.k <= ATTN_MAX_HEAD_DIM and t.k % 32 == 0):
+                raise ValueError(f"task {t.task_id}: attention head dim {t.k} must be a multiple of 32 "
+                                 f"up to {ATTN_MAX_HEAD_DIM}")
+            if t.opcode in (Opcode.EW, Opcode.ROUTER, Opcode.KDA, Opcode.ATTN_RES, Opcode.MLA,
+                            Opcode.ATTENTION, Opcode.ARGMAX):
                 continue  # scalar loads: no vector alignment rules
             vec = VEC_MXFP4 if t.opcode in (Opcode.GEMV_MXFP4, Opcode.EXPERT_MXFP4) else VEC_BF16
             if t.opcode != Opcode.NOP and (t.k % vec or t.n1 < t.n0 or t.ldx % 8 or t.ldy % 8):

@@ -1,0 +1,311 @@
+"""Lowering: a verified fusec `Schedule` -> one CuTe megakernel task table (`KernelPlan`).
+
+    low = lower_schedule(schedule)          # memory plan + rows with arena offsets
+    plan = low.plan(base=arena.data_ptr())  # KernelPlan with real addresses (or base=0 on a CPU)
+
+Rules (the core's protocol, docs/cute_backend.md):
+- each Schedule task becomes one or more TaskRows, in its SM's queue, in queue order; rows of
+  one task run back to back on one CTA (a CTA barrier separates them), so a fused group
+  (rms_norm prologue -> GEMV tile -> rope / add epilogues) is a short row sequence;
+- events map 1:1; a WAIT on `threshold` t of an event with `per_step` n becomes
+  WAIT_PER_STEP = n, WAIT_OFFSET = t - n (the kernel's step counts from 1);
+- a task with several WAITs gets NOP rows in front of it, one per extra wait; its SIGNAL goes on
+  its last row (extra SIGNALs on trailing NOP rows), so every counter gets one increment per task;
+- a prologue computed by every tile of a group (rms_norm before a GEMV) writes a per-task scratch
+  tensor, never the shared value (two CTAs would race on it);
+- an op without a body stops the lowering with one line naming it (never skipped).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fusec.ir.graph import Op
+from fusec.ir.schedule import InstrKind, Schedule, Task
+from fusec.ir.types import DType, Kind, TensorType
+
+from .memory import MemoryPlan, View, build_memory_plan
+from .plan import (H200_SMS, NO_EVENT, EwOp, F32Flag, KernelPlan, Opcode, TaskRow, f32_bits, f32_pair)
+
+ADDR_FIELDS = ("a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7")
+# Ops that are views in the memory plan: no task row.
+VIEW_OPS = ("slice", "reshape")
+# IR op -> EW sub-opcode for the two-operand / one-operand elementwise epilogues.
+EW_BINARY = {"add": EwOp.ADD, "sigmoid_mul": EwOp.SIGMOID_MUL, "situ_glu": EwOp.SITU_GLU,
+             "silu_mul": EwOp.SILU_MUL}
+EW_UNARY = {"sigmoid": EwOp.SIGMOID, "cast": EwOp.COPY}
+SUPPORTED = (set(VIEW_OPS) | set(EW_BINARY) | set(EW_UNARY)
+             | {"rms_norm", "linear", "rope", "cache_append", "attention", "embedding", "argmax"})
+
+
+class LoweringError(ValueError):
+    """The schedule needs something the megakernel backend cannot express yet."""
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """Rows hold arena byte offsets in the fields named by `addr_fields[i]` (base added by plan())."""
+
+    schedule: Schedule
+    memory: MemoryPlan
+    rows: tuple[TaskRow, ...]
+    addr_fields: tuple[tuple[str, ...], ...]
+    queues: tuple[tuple[int, ...], ...]
+    num_events: int
+    batch: int
+    consts: dict  # region name -> ("rope_inv_freq", attrs) tables filled at bind time
+
+    def plan(self, base: int = 0, **kw) -> KernelPlan:
+        rows = [dataclasses.replace(r, **{f: base + getattr(r, f) for f in fs})
+                for r, fs in zip(self.rows, self.addr_fields)]
+        kw.setdefault("threads", 512)
+        kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
+        return KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
+                          batch=self.batch, **kw)
+
+    def table_text(self) -> str:
+        """The task table with arena offsets (deterministic: no device addresses)."""
+        out = [f"# {len(self.rows)} rows, {len(self.queues)} queues, {self.num_events} events, "
+               f"batch {self.batch}; addresses are arena byte offsets"]
+        for c, q in enumerate(self.queues):
+            for i in q:
+                r = self.rows[i]
+                fields = {k: v for k, v in dataclasses.asdict(r).items()
+                          if k not in ("opcode", "task_id") and (v != 0 or k in ("wait_event", "signal_event"))
+                          and v != NO_EVENT}
+                out.append(f"cta {c:3d} row {i:4d} task {r.task_id:4d} {r.opcode.name:<10} "
+                           + " ".join(f"{k}={int(v)}" for k, v in fields.items()))
+        return "\n".join(out)
+
+
+def unsupported_ops(schedule: Schedule) -> list[str]:
+    """IR op kinds of the schedule that have no task body (sorted)."""
+    return sorted({op.opname for op in schedule.graph.ops} - SUPPORTED)
+
+
+def lower_schedule(schedule: Schedule) -> Lowered:
+    if schedule.ranks != 1:
+        raise LoweringError(f"cute lowering: {schedule.ranks} ranks need system-scope events (V7), "
+                            "not supported yet; lower a single-rank schedule")
+    missing = unsupported_ops(schedule)
+    if missing:
+        raise LoweringError(f"cute lowering: no megakernel task body for op '{missing[0]}' "
+                            f"(missing: {', '.join(missing)})")
+    g, dims = schedule.graph, schedule.dims
+    scratch, consts = _scratch_and_consts(schedule)
+    mem = build_memory_plan(g, dims, scratch)
+    low = _TaskLowering(schedule, mem, consts)
+    rows: list[TaskRow] = []
+    fields: list[tuple[str, ...]] = []
+    first_row: dict[int, list[int]] = {}
+    for t in schedule.tasks:
+        start = len(rows)
+        for r, fs in low.task_rows(t):
+            rows.append(r)
+            fields.append(fs)
+        first_row[t.id] = list(range(start, len(rows)))
+    queues = []
+    for sm in range(max(schedule.sms, 1)):
+        q = schedule.queues.get((0, sm), [])
+        queues.append(tuple(i for tid in q for i in first_row[tid]))
+    if len(queues) > H200_SMS:
+        raise LoweringError(f"cute lowering: {len(queues)} SM queues exceed the {H200_SMS} CTAs of an H200")
+    return Lowered(schedule, mem, tuple(rows), tuple(fields), tuple(queues),
+                   len(schedule.events), int(dims["B"]), consts)
+
+
+def _scratch_and_consts(schedule: Schedule):
+    """Per-task scratch for prologues computed by every tile, and attribute tables (rope)."""
+    g = schedule.graph
+    ops = {op.outputs[0].name: op for op in g.ops}
+    scratch: dict[str, TensorType] = dict(schedule.buffers)
+    consts: dict[str, tuple] = {}
+    for t in schedule.tasks:
+        names = set(t.ops)
+        for n in t.ops:
+            op = ops[n]
+            if op.opname == "rms_norm" and _feeds_linear_in(op, names, ops):
+                scratch[_scratch_name(t, n)] = TensorType(op.outputs[0].type.shape, op.outputs[0].type.dtype, Kind.act)
+            if op.opname == "rope":
+                key = _rope_key(op)
+                consts.setdefault(key, ("rope_inv_freq", dict(op.attrs)))
+                scratch.setdefault(key, TensorType((op.attrs["head_dim"] // 2,), DType.f32, Kind.weight))
+    return scratch, consts
+
+
+def _feeds_linear_in(op: Op, names: set, ops: dict) -> bool:
+    out = op.outputs[0].name
+    return any(o.opname == "linear" and o.inputs[0].name == out for n in names for o in [ops[n]])
+
+
+def _scratch_name(t: Task, value: str) -> str:
+    return f"scratch.t{t.id}.{value}"
+
+
+def _rope_key(op: Op) -> str:
+    a = op.attrs
+    return "const.rope_inv_freq." + "_".join(str(a.get(k)) for k in sorted(a))
+
+
+class _TaskLowering:
+    def __init__(self, schedule: Schedule, mem: MemoryPlan, consts: dict):
+        self.s, self.mem = schedule, mem
+        self.ops = {op.outputs[0].name: op for op in schedule.graph.ops}
+        self.events = {e.id: e for e in schedule.events}
+        self.B = int(schedule.dims["B"])
+
+    # -- one task ---------------------------------------------------------------------------
+    def task_rows(self, t: Task):
+        waits = [i for i in t.instrs if i.kind is InstrKind.WAIT]
+        signals = [i.event for i in t.instrs if i.kind is InstrKind.SIGNAL]
+        body = self._body(t)
+        if not body:  # a task of views only still carries its waits and signal
+            body = [(TaskRow(Opcode.NOP, t.id), ())]
+        rows = [(TaskRow(Opcode.NOP, t.id, **self._wait(w)), ()) for w in waits[:-1]]
+        if waits:
+            r, fs = body[0]
+            body[0] = (dataclasses.replace(r, **self._wait(waits[-1])), fs)
+        rows += body
+        if signals:
+            r, fs = rows[-1]
+            rows[-1] = (dataclasses.replace(r, signal_event=signals[0]), fs)
+            rows += [(TaskRow(Opcode.NOP, t.id, signal_event=e), ()) for e in signals[1:]]
+        return rows
+
+    def _wait(self, w) -> dict:
+        n = self.events[w.event].per_step
+        return dict(wait_event=w.event, wait_per_step=n, wait_offset=w.threshold - n)
+
+    def _body(self, t: Task):
+        names = set(t.ops)
+        ordered = [op for op in self.s.graph.ops if op.outputs[0].name in names]
+        anchor = next((op for op in ordered if op.opname == "linear"), None)
+        cols: dict[str, tuple[int, int]] = {}
+        redirect: dict[str, str] = {}
+        if anchor is not None:
+            cols[anchor.outputs[0].name] = tuple(t.tile[-1])
+        rows = []
+        for op in ordered:
+            out = op.outputs[0].name
+            if op.opname in VIEW_OPS:
+                src = op.inputs[0].name
+                if src in cols and op.opname == "slice":
+                    lo, hi = cols[src]
+                    st, en = int(op.attrs["start"]), int(op.attrs["end"])
+                    cols[out] = (max(lo, st) - st, max(min(hi, en) - st, max(lo, st) - st))
+                elif src in cols:
+                    cols[out] = cols[src]
+                continue
+            c = self._cols(op, cols, t)
+            cols[out] = c
+            rows += self._op_rows(t, op, c, anchor, redirect)
+        return rows
+
+    def _cols(self, op: Op, cols: dict, t: Task) -> tuple[int, int]:
+        for v in op.inputs:
+            if v.name in cols:
+                return cols[v.name]
+        return tuple(t.tile[-1])
+
+    # -- one op -------------------------------------------------------------------------------
+    def _v(self, name: str, redirect: dict) -> View:
+        return self.mem.view(redirect.get(name, name))
+
+    def _off(self, name: str, redirect: dict) -> int:
+        return self.mem.byte_offset(redirect.get(name, name))
+
+    def _op_rows(self, t: Task, op: Op, cols, anchor, redirect):
+        kind, out = op.opname, op.outputs[0].name
+        ins = [v.name for v in op.inputs]
+        off = lambda n: self._off(n, redirect)  # noqa: E731
+        view = lambda n: self._v(n, redirect)   # noqa: E731
+        b0, b1 = t.tile[0] if len(t.tile) > 1 or kind == "argmax" else (0, self.B)
+        if kind == "rms_norm":
+            if anchor is not None and anchor.inputs[0].name == out:
+                redirect[out] = _scratch_name(t, out)
+            self._need_bf16(op, [ins[0], ins[1], out], redirect)
+            x, o = view(ins[0]), view(out)
+            return [(TaskRow(Opcode.RMSNORM, t.id, a0=off(ins[0]), a1=off(ins[1]), a2=off(out),
+                             n0=0, n1=self.B, k=x.shape[-1], ldx=x.row_stride, ldy=o.row_stride,
+                             aux=f32_bits(float(op.attrs.get("eps", 1e-5)))), ("a0", "a1", "a2"))]
+        if kind == "linear":
+            self._need_bf16(op, [ins[0], ins[1]], redirect)
+            x, w, o = view(ins[0]), view(ins[1]), view(out)
+            if o.dtype not in (DType.bf16, DType.f32):
+                raise LoweringError(f"cute lowering: linear %{out} stores {o.dtype.value}; GEMV stores bf16 or f32")
+            flag = int(F32Flag.OUT) if o.dtype is DType.f32 else 0
+            return [(TaskRow(Opcode.GEMV_BF16, t.id, a0=off(ins[1]), a1=off(ins[0]), a2=off(out),
+                             n0=cols[0], n1=cols[1], k=w.shape[1], ldx=x.row_stride, ldy=o.row_stride,
+                             p1=flag), ("a0", "a1", "a2"))]
+        if kind in EW_BINARY or kind in EW_UNARY:
+            if cols[1] <= cols[0]:
+                return []
+            a, o = view(ins[0]), view(out)
+            b = view(ins[1]) if kind in EW_BINARY else None
+            flags = self._flags(a=a, b=b, o=o)
+            row = TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a1=off(ins[1]) if b else 0, a2=off(out),
+                          n0=cols[0], n1=cols[1], ldx=a.row_stride, ldy=o.row_stride,
+                          sub=EW_BINARY.get(kind, EW_UNARY.get(kind)), p0=b.row_stride if b else 0,
+                          p1=flags, p2=1, aux=f32_pair(1.0, 0.0))
+            return [(row, ("a0", "a1", "a2") if b else ("a0", "a2"))]
+        if kind == "rope":
+            if cols[1] <= cols[0]:
+                return []
+            d = int(op.attrs["head_dim"])
+            if cols[0] % d or cols[1] % d:
+                raise LoweringError(f"cute lowering: rope %{out} tile {cols} splits a head of {d}")
+            if redirect.get(ins[0], ins[0]) == out:
+                raise LoweringError(f"cute lowering: rope %{out} in place is not supported")
+            a, o = view(ins[0]), view(out)
+            return [(TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a2=off(out), a3=off(ins[1]),
+                             a4=self.mem.byte_offset(_rope_key(op)), n0=cols[0], n1=cols[1],
+                             ldx=a.row_stride, ldy=o.row_stride, sub=EwOp.ROPE,
+                             p1=self._flags(a=a, o=o), p2=d), ("a0", "a2", "a3", "a4"))]
+        if kind == "cache_append":
+            cache, new, pos = ins
+            c, a = view(cache), view(new)
+            return [(TaskRow(Opcode.EW, t.id, a0=off(new), a1=off(cache), a2=off(cache), a3=off(pos),
+                             n0=0, n1=a.shape[-1], ldx=a.row_stride, ldy=c.strides[1], sub=EwOp.APPEND,
+                             p0=c.strides[0], p1=self._flags(a=a) | (int(F32Flag.A1) if c.dtype is DType.f32 else 0)),
+                     ("a0", "a1", "a2", "a3"))]
+        if kind == "attention":
+            q, kc, vc, pos = ins
+            h, kvh, d = (int(op.attrs[k]) for k in ("heads", "kv_heads", "head_dim"))
+            if tuple(t.tile[-1]) != (0, h * d):
+                raise LoweringError(f"cute lowering: attention %{out} tiled over heads {t.tile[-1]}: "
+                                    "only whole-row tiles are supported")
+            kv = view(kc)
+            if kv.strides != (kv.shape[1] * kv.shape[2], kv.shape[2], 1) or view(vc).strides != kv.strides:
+                raise LoweringError(f"cute lowering: attention %{out} needs contiguous caches")
+            return [(TaskRow(Opcode.ATTENTION, t.id, a0=off(q), a1=off(kc), a5=off(vc), a4=off(pos),
+                             a2=off(out), n0=b0 * h, n1=b1 * h, k=d, ldx=view(q).row_stride,
+                             ldy=view(out).row_stride, p0=h, p1=kv.strides[0], p2=h // kvh,
+                             aux=f32_pair(float(op.attrs["scale"]))), ("a0", "a1", "a2", "a4", "a5"))]
+        if kind == "embedding":
+            table, ids = ins
+            tv, o = view(table), view(out)
+            return [(TaskRow(Opcode.EW, t.id, a0=off(table), a2=off(out), a3=off(ids), n0=cols[0],
+                             n1=cols[1], ldx=tv.row_stride, ldy=o.row_stride, sub=EwOp.GATHER,
+                             p1=self._flags(a=tv, o=o)), ("a0", "a2", "a3"))]
+        if kind == "argmax":
+            x = view(ins[0])
+            return [(TaskRow(Opcode.ARGMAX, t.id, a0=off(ins[0]), a2=off(out), n0=b0, n1=b1,
+                             k=x.shape[-1], ldx=x.row_stride,
+                             p1=int(F32Flag.A0) if x.dtype is DType.f32 else 0), ("a0", "a2"))]
+        raise LoweringError(f"cute lowering: no megakernel task body for op '{kind}' (%{out})")
+
+    def _need_bf16(self, op: Op, names, redirect) -> None:
+        for n in names:
+            if self._v(n, redirect).dtype is not DType.bf16:
+                raise LoweringError(f"cute lowering: {op.opname} %{op.outputs[0].name} reads or writes "
+                                    f"%{n} as {self._v(n, redirect).dtype.value}; its body needs bf16")
+
+    @staticmethod
+    def _flags(a=None, b=None, o=None) -> int:
+        f = 0
+        for v, bit in ((a, F32Flag.A0), (b, F32Flag.A1), (o, F32Flag.OUT)):
+            if v is not None:
+                if v.dtype not in (DType.bf16, DType.f32):
+                    raise LoweringError(f"cute lowering: elementwise operand of dtype {v.dtype.value}")
+                f |= int(bit) if v.dtype is DType.f32 else 0
+        return f

@@ -1,0 +1,183 @@
+"""Memory plan of the CuTe megakernel: where every tensor of a lowered graph lives.
+
+One device arena holds every tensor the step touches: weights (merged projections built from
+their `sources` annotation when bound), state (caches, recurrent and conv states), step inputs,
+activations, the lowering's scratch (per-task prologue outputs, `Schedule.buffers`) and the
+tables derived from attributes (RoPE inverse frequencies). Each tensor gets its own region at a
+deterministic, 256-byte aligned offset (declaration order), so a plan prints the same way every
+time and the task table only needs `arena base + offset`.
+
+Values that are pure re-indexings of another value are *views*, not allocations:
+  slice along the last dim   -> the parent's region + start, same row stride
+  reshape of a contiguous value -> the parent's region, new shape
+  an in-place update (OpDef.aliases, e.g. cache_append) -> the updated operand's region
+so a task that writes a merged projection writes q, k and v at once, and a body reading a slice
+gets its address and row stride from the view.
+
+`MemoryPlan.bind(device)` allocates the arena (torch) and returns `Bound`, whose `tensor(name)`
+gives a strided torch view and `addr(name)` the raw device address of element 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fusec.ir.graph import Graph
+from fusec.ir.registry import get_op
+from fusec.ir.types import DType, Kind, TensorType
+
+ALIGN = 256  # bytes; every region starts 16-byte aligned for the bodies' vector loads (and more)
+
+# Element sizes of the dtypes the bodies read or write.
+_ITEMSIZE = {DType.bf16: 2, DType.f16: 2, DType.f32: 4, DType.i32: 4, DType.i64: 8, DType.u8: 1}
+
+
+class MemoryPlanError(ValueError):
+    """A tensor the megakernel cannot place (unsupported dtype or view)."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One allocation inside the arena."""
+
+    name: str
+    offset: int          # bytes from the arena base
+    nbytes: int
+    dtype: DType
+    shape: tuple[int, ...]
+    kind: Kind
+
+
+@dataclass(frozen=True)
+class View:
+    """A value as (region, element offset, shape, element strides)."""
+
+    region: str
+    elem_offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: DType
+
+    @property
+    def row_stride(self) -> int:
+        """Elements between consecutive rows (dim 0) of a 2-D view; 0 for a vector."""
+        return self.strides[0] if len(self.shape) >= 2 else 0
+
+
+def _contig(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+def itemsize(dt: DType) -> int:
+    if dt not in _ITEMSIZE:
+        raise MemoryPlanError(f"dtype {dt.value} has no megakernel layout yet")
+    return _ITEMSIZE[dt]
+
+
+@dataclass
+class MemoryPlan:
+    regions: dict[str, Region] = field(default_factory=dict)
+    views: dict[str, View] = field(default_factory=dict)
+    size: int = 0
+
+    # -- building -----------------------------------------------------------------------------
+    def alloc(self, name: str, dtype: DType, shape, kind: Kind = Kind.act) -> View:
+        """A new region for `name` (a graph value or scratch) and its contiguous view."""
+        if name in self.regions:
+            raise MemoryPlanError(f"tensor {name} is allocated twice")
+        shape = tuple(int(d) for d in shape)
+        nbytes = max(1, math.prod(shape)) * itemsize(dtype)
+        off = -(-self.size // ALIGN) * ALIGN
+        self.regions[name] = Region(name, off, nbytes, dtype, shape, kind)
+        self.size = off + nbytes
+        v = View(name, 0, shape, _contig(shape), dtype)
+        self.views[name] = v
+        return v
+
+    def alias(self, name: str, view: View) -> None:
+        self.views[name] = view
+
+    def view(self, name: str) -> View:
+        if name not in self.views:
+            raise MemoryPlanError(f"value %{name} has no place in the memory plan")
+        return self.views[name]
+
+    def byte_offset(self, name: str) -> int:
+        v = self.view(name)
+        return self.regions[v.region].offset + v.elem_offset * itemsize(v.dtype)
+
+    def describe(self) -> str:
+        """Deterministic text listing (offsets relative to the arena; no addresses)."""
+        lines = [f"arena {self.size} bytes, {len(self.regions)} regions, {len(self.views)} values"]
+        for r in self.regions.values():
+            lines.append(f"  {r.offset:>10}  {r.nbytes:>9}  {r.kind.value:<6} {r.dtype.value:<4} "
+                         f"{list(r.shape)}  {r.name}")
+        for n, v in self.views.items():
+            if v.region != n:
+                lines.append(f"  view {n} = {v.region}+{v.elem_offset} {list(v.shape)} strides {list(v.strides)}")
+        return "\n".join(lines)
+
+    def bind(self, device) -> "Bound":
+        import torch
+
+        return Bound(self, torch.zeros(max(1, self.size), dtype=torch.uint8, device=device))
+
+
+def build_memory_plan(graph: Graph, dims: dict, scratch: dict[str, TensorType] | None = None) -> MemoryPlan:
+    """Place every parameter, op result and scratch tensor of `graph` (see module docstring)."""
+    mp = MemoryPlan()
+    for v in graph.params:
+        mp.alloc(v.name, v.type.dtype, v.type.concrete(dims), v.type.kind)
+    for op in graph.ops:
+        d = get_op(op.opname)
+        for ri, out in enumerate(op.outputs):
+            shape = tuple(out.type.concrete(dims))
+            if ri in d.aliases:  # updated in place: the result is the operand's storage
+                mp.alias(out.name, mp.view(op.inputs[d.aliases[ri]].name))
+            elif op.opname == "slice" and _last_dim(op, len(shape)):
+                src = mp.view(op.inputs[0].name)
+                mp.alias(out.name, View(src.region, src.elem_offset + int(op.attrs["start"]) * src.strides[-1],
+                                        shape, src.strides, src.dtype))
+            elif op.opname == "reshape" and _is_contig(mp.view(op.inputs[0].name)):
+                src = mp.view(op.inputs[0].name)
+                mp.alias(out.name, View(src.region, src.elem_offset, shape, _contig(shape), src.dtype))
+            else:
+                mp.alloc(out.name, out.type.dtype, shape, Kind.act)
+    for name, ty in (scratch or {}).items():
+        mp.alloc(name, ty.dtype, ty.concrete(dims) if hasattr(ty, "concrete") else ty.shape, ty.kind)
+    return mp
+
+
+def _last_dim(op, rank: int) -> bool:
+    d = int(op.attrs.get("dim", -1))
+    return d in (-1, rank - 1)
+
+
+def _is_contig(v: View) -> bool:
+    return v.strides == _contig(v.shape)
+
+
+class Bound:
+    """A memory plan with its arena allocated on a device."""
+
+    def __init__(self, plan: MemoryPlan, arena):
+        self.plan, self.arena = plan, arena
+        self.base = arena.data_ptr()
+
+    def addr(self, name: str) -> int:
+        return self.base + self.plan.byte_offset(name)
+
+    def tensor(self, name: str):
+        import torch
+
+        from fusec.backends.reference.executor import torch_dtype
+
+        v = self.plan.view(name)
+        r = self.plan.regions[v.region]
+        dt = torch_dtype(v.dtype)
+        flat = self.arena[r.offset:r.offset + r.nbytes].view(dt)
+        return torch.as_strided(flat, v.shape, v.strides, v.elem_offset)

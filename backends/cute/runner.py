@@ -1,0 +1,72 @@
+"""CuteRunner: a whole decode step as one CuTe megakernel launch (fusec.api backend "cute").
+
+    graph -> pipeline (fuse, tile, schedule, verify) -> Schedule -> lower_schedule -> memory plan
+    + task table -> Megakernel (one persistent launch per step)
+
+Weights of the lowered graph (merged projections from their `sources`) are copied into the
+arena once; state (caches) lives in the arena and is zeroed by `reset()`. Every `run` writes the
+step inputs into the arena, bumps the device step counter, launches, checks the bounded-wait
+error buffer (MegakernelTimeout names the stuck task and event) and returns copies of the
+outputs. The kernel computes in bf16 (fp32 accumulation): precision "fp32" is refused.
+"""
+from __future__ import annotations
+
+from fusec.config import Options
+from fusec.ir.graph import Graph
+
+
+def lower_graph(graph: Graph, batch: int, max_len: int, sms: int | None = None):
+    """Graph -> (program after the default pipeline, Lowered)."""
+    from fusec.compiler import lower
+
+    from .lower import lower_schedule
+
+    prog = lower(graph, Options.from_env(batch=batch, max_len=max_len, sms=sms))
+    if prog.schedule is None:
+        raise ValueError("the pipeline produced no schedule for the cute backend")
+    return prog, lower_schedule(prog.schedule)
+
+
+class CuteRunner:
+    """fusec.api Runner: `run(tokens, positions) -> [logits, next_tokens]`, `reset()`."""
+
+    def __init__(self, graph: Graph, weights: dict, dims: dict, device: str, precision: str, *,
+                 plan_options: dict | None = None, out_dir=None):
+        import torch
+
+        from fusec.backends.reference.ranks import materialize_weights
+        from fusec.ir.ops.mixers import rope_inv_freq
+
+        from .runtime import Megakernel
+
+        if precision != "bf16":
+            raise ValueError("backend 'cute' computes in bf16 (fp32 accumulation); use precision='bf16'")
+        if not str(device).startswith("cuda"):
+            raise ValueError("backend 'cute' needs device='cuda'")
+        self.graph, self.dims = graph, dims
+        self.program, self.lowered = lower_graph(graph, int(dims["B"]), int(dims["L"]))
+        g = self.program.graph
+        self.mem = self.lowered.memory.bind(device)
+        w = materialize_weights(g, weights, 0, "bf16")
+        with torch.no_grad():
+            for name, t in w.items():
+                self.mem.tensor(name).copy_(t.to(self.mem.tensor(name).dtype))
+            for key, (kind, attrs) in self.lowered.consts.items():
+                assert kind == "rope_inv_freq"
+                self.mem.tensor(key).copy_(rope_inv_freq(attrs))
+        self.state_names = [v.name for v in g.params if v.type.kind.value == "state"]
+        self.out_names = [v.name for v in g.outputs]
+        self.plan = self.lowered.plan(base=self.mem.base, **(plan_options or {}))
+        self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        for n in self.state_names:
+            self.mem.tensor(n).zero_()
+
+    def run(self, tokens, positions):
+        self.mem.tensor("tokens").copy_(tokens.to(self.mem.tensor("tokens").dtype))
+        self.mem.tensor("pos").copy_(positions.to(self.mem.tensor("pos").dtype))
+        self.kernel.step()
+        self.kernel.check()
+        return [self.mem.tensor(n).clone() for n in self.out_names]
