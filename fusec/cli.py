@@ -10,7 +10,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -26,9 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="build, verify and lower a model; write .fir, schedule, report, trace")
     _add_model_args(c)
     c.add_argument("-o", "--out", default=None, help="output folder (default: out/<graph name>)")
-    c.add_argument("--emit", default="all", choices=["fir", "all"],
+    c.add_argument("--emit", default="all", choices=["fir", "all", "cute"],
                    help="fir: the canonical graph and summary only; all: also the lowered graph, "
-                        "schedule, verifier report, trace and task graph")
+                        "schedule, verifier report, trace and task graph; cute: all plus the CuTe "
+                        "megakernel (.py, PTX, task table, audit) in <out>/cute")
+    c.add_argument("--aot", action="store_true",
+                   help="with --emit cute: also the sm_90a object and C header (export_to_c)")
     c.add_argument("--ranks", type=int, default=1)
     c.add_argument("--batch", type=int, default=1)
     c.add_argument("--max-len", type=int, default=4096, help="cache capacity (binds L)")
@@ -78,7 +80,8 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     res = compile_to_dir(args.model, args.config, parse_overrides(args.set), out=args.out, emit=args.emit,
                          ranks=args.ranks, batch=args.batch, max_len=args.max_len, passes=args.passes,
-                         print_ir_after_all=args.print_ir_after_all, dump_dir=args.dump_dir)
+                         print_ir_after_all=args.print_ir_after_all, dump_dir=args.dump_dir,
+                         aot=args.aot)
     print(res.summary)
     for p in res.written:
         print(f"wrote {p}")

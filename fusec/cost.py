@@ -13,11 +13,7 @@ until the megakernel measures it (backends/cute benchmarks).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Mapping
-
-from fusec.ir.graph import Graph
-from fusec.ir.types import Kind
+from dataclasses import dataclass
 
 TASK_OVERHEAD_US = 1.5
 
@@ -65,50 +61,8 @@ def task_time_us(spec: GpuSpec, nbytes: float, flops: float, remote_bytes: float
     return t
 
 
-@dataclass
-class GraphStats:
-    params: float = 0.0               # parameter count (elements of weight tensors)
-    active_params: float = 0.0        # parameters read per token at batch 1
-    weight_bytes: float = 0.0         # bytes of all weights
-    bytes_read: float = 0.0           # bytes read per step (weights + state + activations)
-    bytes_written: float = 0.0
-    flops: float = 0.0
-    by_kind: dict[str, dict[str, float]] = field(default_factory=dict)   # op name -> figures
-
-    def roofline_us(self, spec: GpuSpec) -> float:
-        return (self.bytes_read + self.bytes_written) / spec.hbm_bw * 1e6
-
-
-def graph_stats(graph: Graph, dims: Mapping[str, int]) -> GraphStats:
-    """Figures of one decode step from each op's registry cost (active = what batch `B` reads)."""
-    st = GraphStats()
-    for w in graph.weights():
-        st.params += w.type.numel(dims)
-        st.weight_bytes += w.type.nbytes(dims)
-    by = defaultdict(lambda: defaultdict(float))
-    active_w: dict[str, float] = {}
-    for op in graph.ops:
-        c = op.opdef.cost([v.type for v in op.inputs], [v.type for v in op.outputs], op.attrs, dims)
-        st.bytes_read += c.bytes_read
-        st.bytes_written += c.bytes_written
-        st.flops += c.flops
-        k = by[op.opname]
-        k["count"] += 1
-        k["bytes"] += c.bytes_read + c.bytes_written
-        k["flops"] += c.flops
-        # active parameters: a weight operand counts fully, unless the op reads it through a
-        # run-time address (experts): then the fraction its cost model charges
-        full = sum(v.type.nbytes(dims) for v in op.inputs if v.kind is Kind.weight)
-        frac = 1.0
-        if op.opdef.addressed_by and full:
-            other = sum(v.type.nbytes(dims) for v in op.inputs if v.kind is not Kind.weight)
-            frac = min(1.0, max(0.0, (c.bytes_read - other) / full))
-        for v in op.inputs:
-            if v.kind is Kind.weight:
-                active_w[v.name] = max(active_w.get(v.name, 0.0), frac * v.type.numel(dims))
-    st.active_params = sum(active_w.values())
-    st.by_kind = {k: dict(v) for k, v in sorted(by.items())}
-    return st
+# The graph's own figures (parameters, bytes, flops per op kind) live in fusec.stats.
+from fusec.stats import GraphStats, graph_stats  # noqa: E402,F401  (re-exported for the cost model's users)
 
 
 def step_summary(schedule) -> dict:

@@ -27,6 +27,13 @@ class GraphStats:
     bytes_read: float               # per step at batch 1 and the given context
     weight_bytes_read: float
     state_bytes: float
+    bytes_written: float = 0.0
+    flops: float = 0.0
+    by_kind: dict = None            # op name -> {"count", "bytes", "flops"}
+
+    def roofline_us(self, spec) -> float:
+        """Bytes moved per step over the GPU's HBM bandwidth (`fusec.cost.GpuSpec`)."""
+        return (self.bytes_read + self.bytes_written) / spec.hbm_bw * 1e6
 
 
 def _layer_of(op) -> int | None:
@@ -78,10 +85,17 @@ def graph_stats(graph: Graph, dims: dict[str, int] | None = None) -> GraphStats:
         params += n
         active += n * frac.get(w.name, 1.0)
         wbytes += w.type.nbytes(dims)
-    read = wread = 0.0
+    read = wread = written = flops = 0.0
+    by_kind: dict[str, dict[str, float]] = {}
     for op in graph.ops:
         c = op.opdef.cost([v.type for v in op.inputs], [v.type for v in op.outputs], op.attrs, dims)
         read += c.bytes_read
+        written += c.bytes_written
+        flops += c.flops
+        k = by_kind.setdefault(op.opname, {"count": 0, "bytes": 0.0, "flops": 0.0})
+        k["count"] += 1
+        k["bytes"] += c.bytes_read + c.bytes_written
+        k["flops"] += c.flops
     # weight bytes actually streamed: every weight once, experts by fraction, tables by row
     for op in graph.ops:
         for i, v in enumerate(op.inputs):
@@ -89,7 +103,7 @@ def graph_stats(graph: Graph, dims: dict[str, int] | None = None) -> GraphStats:
                 wread += v.type.nbytes(dims) * frac.get(v.name, 1.0)
     state = sum(v.type.nbytes(dims) for v in graph.states())
     return GraphStats(dict(sorted(layers.items())), dict(sorted(Counter(o.opname for o in graph.ops).items())),
-                      int(params), active, wbytes, read, wread, state)
+                      int(params), active, wbytes, read, wread, state, written, flops, dict(sorted(by_kind.items())))
 
 
 def _count(n: float) -> str:
