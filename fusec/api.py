@@ -49,10 +49,15 @@ class ReferenceRunner:
                         self.dims, self.precision)
 
 
-BACKENDS = {"reference": ReferenceRunner}
+def _cute_runner(graph, weights, dims, device, precision):
+    # Imported on use: cutlass is only needed when the cute backend is picked.
+    from fusec.backends.cute.runner import CuteRunner
+    return CuteRunner(graph, weights, dims, device, precision)
+
+
+BACKENDS = {"reference": ReferenceRunner, "cute": _cute_runner}
 # Backends that exist as components but cannot yet run a whole model step, with the reason.
-NOT_YET = {"cute": "the CuTe megakernel runs GEMV/RMSNorm task tables (backends/cute), but the "
-                   "schedule-to-task-table lowering for whole models is not built yet (docs/cute_backend.md)"}
+NOT_YET: dict[str, str] = {}
 
 
 class CompiledStep:

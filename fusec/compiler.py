@@ -8,6 +8,8 @@ Outputs (each written to a temporary name, then renamed):
   verify.txt            the memory-order verifier report                     [--emit all]
   trace.json            predicted timeline (Perfetto / chrome://tracing)     [--emit all]
   tasks.dot             the fused task graph (Graphviz)                      [--emit all]
+  cute/                 megakernel .py, its PTX, task table, memory plan, audit  [--emit cute]
+                        (+ sm_90a .o/.h with --aot; fusec.backends.cute.emit)
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ class CompileResult:
 
 
 def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", ranks=1, batch=1,
-                   max_len=4096, passes="default", print_ir_after_all=False, dump_dir=None) -> CompileResult:
+                   max_len=4096, passes="default", print_ir_after_all=False, dump_dir=None,
+                   aot=False) -> CompileResult:
     graph, _ = load_graph(model, config, overrides)
     verify_graph(graph)
     out = Path(out) if out else Path("out") / graph.name
@@ -45,6 +48,13 @@ def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", 
     res.program = prog
     res.written += write_schedule_outputs(prog, out)
     res.summary += "\n" + schedule_summary(prog)
+    if emit == "cute":
+        if prog.schedule is None:
+            raise ValueError("--emit cute needs a pipeline that ends with a schedule")
+        from fusec.backends.cute.emit import emit_cute
+        files, line = emit_cute(prog, out, aot=aot)
+        res.written += files
+        res.summary += "\n" + line
     return res
 
 

@@ -124,7 +124,8 @@ class MemoryPlan:
     def bind(self, device) -> "Bound":
         import torch
 
-        return Bound(self, torch.zeros(max(1, self.size), dtype=torch.uint8, device=device))
+        # Rounded up to whole 8-byte words so the arena can be viewed as any element type.
+        return Bound(self, torch.zeros(-(-max(1, self.size) // ALIGN) * ALIGN, dtype=torch.uint8, device=device))
 
 
 def build_memory_plan(graph: Graph, dims: dict, scratch: dict[str, TensorType] | None = None) -> MemoryPlan:
@@ -179,5 +180,6 @@ class Bound:
         v = self.plan.view(name)
         r = self.plan.regions[v.region]
         dt = torch_dtype(v.dtype)
-        flat = self.arena[r.offset:r.offset + r.nbytes].view(dt)
-        return torch.as_strided(flat, v.shape, v.strides, v.elem_offset)
+        size = torch.tensor([], dtype=dt).element_size()
+        # as_strided's offset counts from the start of the storage (the arena), in elements.
+        return torch.as_strided(self.arena.view(dt), v.shape, v.strides, r.offset // size + v.elem_offset)
