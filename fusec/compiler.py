@@ -25,6 +25,9 @@ from fusec.outputs import write_text
 from fusec.stats import format_summary, graph_stats
 
 
+TRACE_RANKS = 8
+
+
 @dataclass
 class CompileResult:
     summary: str
@@ -93,7 +96,8 @@ def write_schedule_outputs(prog, out: Path) -> list[Path]:
     written.append(write_text(out / "schedule.fsched", print_schedule(prog.schedule)))
     report = prog.notes.get("memory_order") or check_schedule(prog.schedule)
     written.append(write_text(out / "verify.txt", format_report(report) + "\n"))
-    written.append(write_text(out / "trace.json", json.dumps(chrome_trace(prog.schedule))))
+    # ranks of a replicated schedule run the same timeline: draw a few, not all 64
+    written.append(write_text(out / "trace.json", json.dumps(chrome_trace(prog.schedule, ranks=TRACE_RANKS))))
     written.append(write_text(out / "tasks.dot", task_graph_dot(prog.schedule, prog.notes.get("units"))))
     return written
 

@@ -32,6 +32,14 @@ def task_times(s: Schedule) -> dict[int, tuple[float, float]]:
         for i in t.instrs:
             if i.kind is InstrKind.SIGNAL and i.peer is not None:
                 peer_sig[i.event].append(t.id)
+    # per event: how many of its signalling tasks have finished, and the latest finish
+    src_of = {e: (signallers.get(e) or peer_sig.get(e, [])) for e in set(signallers) | set(peer_sig)}
+    feeds: dict[int, list[int]] = defaultdict(list)
+    for e, src in src_of.items():
+        for x in src:
+            feeds[x].append(e)
+    done_n: dict[int, int] = defaultdict(int)
+    done_at: dict[int, float] = defaultdict(float)
     out: dict[int, tuple[float, float]] = {}
     pos = {k: 0 for k in s.queues}
     free = {k: 0.0 for k in s.queues}
@@ -46,15 +54,18 @@ def task_times(s: Schedule) -> dict[int, tuple[float, float]]:
                 for i in t.instrs:
                     if i.kind is not InstrKind.WAIT or not i.threshold:
                         continue
-                    src = signallers.get(i.event) or peer_sig.get(i.event, [])
-                    if any(x not in out for x in src):
+                    if done_n[i.event] < len(src_of.get(i.event, ())):
                         ok = False
                         break
-                    ready = max([ready] + [out[x][1] for x in src])
+                    ready = max(ready, done_at[i.event])
                 if not ok:
                     break
-                out[t.id] = (ready, ready + t.cost_us)
-                free[k] = ready + t.cost_us
+                end = ready + t.cost_us
+                out[t.id] = (ready, end)
+                for e in feeds.get(t.id, ()):
+                    done_n[e] += 1
+                    done_at[e] = max(done_at[e], end)
+                free[k] = end
                 pos[k] += 1
                 remaining -= 1
                 progressed = True
