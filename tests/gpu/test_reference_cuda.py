@@ -8,8 +8,8 @@ import fusec
 @pytest.mark.gpu
 def test_reference_executor_on_cuda_matches_cpu():
     kw = dict(batch=2, max_len=8, precision="fp32", seed=3)
-    cpu = fusec.compile("models/kimi_k3.py", "tiny", device="cpu", **kw)
-    gpu = fusec.compile("models/kimi_k3.py", "tiny", device="cuda", **kw)
+    cpu = fusec.compile("kimi_k3", "tiny", device="cpu", **kw)
+    gpu = fusec.compile("kimi_k3", "tiny", device="cuda", **kw)
     toks = torch.tensor([11, 42], dtype=torch.int32)
     for s in range(4):
         pos = torch.full((2,), s, dtype=torch.int32)
