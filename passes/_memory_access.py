@@ -73,13 +73,18 @@ class BufferMap:
             self.root.setdefault(name, (name, 0))
             self.kind.setdefault(name, ty.kind)
         self._task_versions: dict = {}
+        self._by_ops: dict = {}
 
     def task_versions(self, task) -> tuple[dict, dict]:
         """(buffer -> version the task's ops read, buffer -> version they write)."""
-        key = id(task.ops)      # tasks of one family share the ops tuple; hashing it is slow
+        key = id(task.ops)      # tasks of one family usually share the ops tuple: try identity first
         hit = self._task_versions.get(key)
         if hit is not None and hit[2] is task.ops:
             return hit[0], hit[1]
+        hit = self._by_ops.get(task.ops)    # equal tuples built separately (e.g. a parsed schedule)
+        if hit is not None:
+            self._task_versions[key] = (hit[0], hit[1], task.ops)
+            return hit
         if True:
             ops = [self.producer[n] for n in task.ops if n in self.producer]
             made = {v.name for op in ops for v in op.outputs}
@@ -93,6 +98,7 @@ class BufferMap:
                     b, ver = self.root[v.name]
                     wr[b] = max(wr.get(b, ver), ver)
             self._task_versions[key] = (rd, wr, task.ops)
+            self._by_ops[task.ops] = (rd, wr)
         return rd, wr
 
     def access(self, task, name: str, store: bool) -> tuple[str, int]:
@@ -116,6 +122,7 @@ class Acc:
     kind: Kind
     is_input: bool     # an io step input: present before the step
     needs_producer: bool  # must be written in this step (not a state's previous value)
+    copy: int = 0      # the rank whose copy of the task runs it (symmetric mode); else task.rank
 
     @property
     def instr(self):
@@ -137,11 +144,17 @@ def _inter(a, b) -> int:
 
 
 class Access:
+    """Loads and stores of the tasks the step reaches. Symmetric mode (`hb.sym`): loads are rank
+    0's (by symmetry every rank's loads are rank 0's rotated); the stores landing on rank t's
+    copy of a buffer are, for each rank-0 store with target offset d, the store of copy t - d."""
+
     def __init__(self, s: Schedule, hb):
         self.s, self.hb = s, hb
+        self.n = len(s.tasks)
         self.bm = BufferMap(s.graph, getattr(s, "buffers", {}))
         self.loads: list[Acc] = []
-        self.stores: dict[tuple[int, str], list[Acc]] = defaultdict(list)
+        self.stores: dict[tuple[int, str], list[Acc]] = defaultdict(list)   # explicit: (rank, buf)
+        self._base: dict[str, list[Acc]] = defaultdict(list)                # symmetric: buf -> rank 0's
         for t in s.tasks:
             vcs = hb.vc.get(t.id)
             if vcs is None:
@@ -152,17 +165,53 @@ class Access:
                 buf, ver = self.bm.access(t, i.region.tensor, i.kind is InstrKind.STORE)
                 kind = self.bm.kind[buf]
                 a = Acc(t, k, i.region, t.rank if i.region.rank is None else i.region.rank, buf, ver, kind,
-                        buf in self.bm.inputs and ver == 0, ver > 0 or kind in (Kind.act, Kind.comm))
-                (self.loads.append(a) if i.kind is InstrKind.LOAD else self.stores[(a.rank, buf)].append(a))
+                        buf in self.bm.inputs and ver == 0, ver > 0 or kind in (Kind.act, Kind.comm), t.rank)
+                if i.kind is InstrKind.LOAD:
+                    self.loads.append(a)
+                elif hb.sym:
+                    self._base[buf].append(a)
+                else:
+                    self.stores[(a.rank, buf)].append(a)
         self._memo: dict = {}
         self._index: dict = {}
+
+    def stores_at(self, rank: int, buf: str) -> list[Acc]:
+        """Every store (instance) into rank `rank`'s copy of `buf`."""
+        if not self.hb.sym:
+            return self.stores.get((rank, buf), [])
+        key = (rank, buf)
+        got = self.stores.get(key)
+        if got is None:
+            R = self.s.ranks
+            got = self.stores[key] = [replace(a, rank=rank, copy=(rank - a.rank) % R) if rank else
+                                      replace(a, rank=0, copy=(-a.rank) % R) for a in self._base.get(buf, ())]
+        return got
+
+    def store_lists(self):
+        """Per buffer copy, the stores into it (symmetric mode: rank 0's copies stand for all)."""
+        if self.hb.sym:
+            return [self.stores_at(0, b) for b in self._base]
+        return list(self.stores.values())
+
+    def tid(self, a: Acc) -> int:
+        """The task id of an access's instance as in the materialized schedule (rank * n + id)."""
+        return a.copy * self.n + a.task.id if self.hb.sym else a.task.id
+
+    def name(self, a: Acc) -> str:
+        return str(self.tid(a))
+
+    def inst(self, a: Acc) -> tuple[int, int]:
+        return (a.task.id, a.copy)
+
+    def same_instance(self, a: Acc, b: Acc) -> bool:
+        return a.task.id == b.task.id and a.copy == b.copy
 
     def _overlapping(self, rank: int, buf: str, box) -> list[Acc]:
         """Stores of (rank, buf) whose box overlaps `box`, via an index sorted on the dim the
         stores are tiled along (most distinct starts)."""
         idx = self._index.get((rank, buf))
         if idx is None:
-            sts = self.stores.get((rank, buf), [])
+            sts = self.stores_at(rank, buf)
             nd = len(sts[0].region.box) if sts else 0
             d = max(range(nd), key=lambda k: len({a.region.box[k][0] for a in sts})) if nd else None
             if d is not None:
@@ -195,18 +244,19 @@ class Access:
             same, later = [], []
             for st in self._overlapping(ld.rank, ld.buf, ld.region.box):
                 (same if st.version == ld.version else later if st.version > ld.version else []).append(st)
-            req = np.full(len(self.hb.qkeys), -1, dtype=np.int32)
+            req = np.full(self.hb.R * self.hb.nq, -1, dtype=np.int32)
             for st in same:
-                q, p = self.hb.where[st.task.id]
-                req[q] = max(req[q], p)
+                _, p = self.hb.where[st.task.id]
+                c = self.hb.cidx(st.task.id, st.copy, ld.copy)
+                req[c] = max(req[c], p)
             vol = sum(_inter(st.region.box, ld.region.box) for st in same)
-            hit = self._memo[key] = (same, later, {st.task.id for st in same + later}, req, vol)
+            hit = self._memo[key] = (same, later, {self.inst(st) for st in same + later}, req, vol)
         same, later, tids, _, _ = hit
-        own = ld.task.id
+        own = self.inst(ld)
         if own not in tids:
             return same, later
-        return ([st for st in same if st.task.id != own],
-                [st for st in later if st.task.id != own or st.idx < ld.idx])
+        return ([st for st in same if self.inst(st) != own],
+                [st for st in later if self.inst(st) != own or st.idx < ld.idx])
 
     def all_before(self, ld: Acc) -> bool:
         """Fast path: every same-version producer of the load happens before it."""
@@ -214,35 +264,35 @@ class Access:
         return bool((self.hb.vc[ld.task.id][ld.idx] >= req).all())
 
     def store_before_load(self, st: Acc, ld: Acc) -> bool:
-        if st.task.id == ld.task.id:
+        if self.same_instance(st, ld):
             return st.idx < ld.idx
-        return self.hb.before(st.task.id, ld.task.id, ld.idx)
+        return self.hb.before(st.task.id, ld.task.id, ld.idx, st.copy, ld.copy)
 
     def covered(self, ld: Acc) -> bool:
         """Do the same-version stores (other tasks', or this task's before the load) cover it?"""
         same, _, tids, _, vol = self._memo[(ld.rank, ld.buf, ld.region.box, ld.version)]
-        if ld.task.id in tids:
+        if self.inst(ld) in tids:
             vol -= sum(_inter(st.region.box, ld.region.box) for st in same
-                       if st.task.id == ld.task.id and st.idx > ld.idx)
+                       if self.same_instance(st, ld) and st.idx > ld.idx)
         return vol >= _vol(ld.region.box)
 
     def writers_of(self, name: str, rank: int) -> list[Acc]:
         buf, ver = self.bm.root[name]
-        return [st for st in self.stores.get((rank, buf), ()) if st.version == ver]
+        return [st for st in self.stores_at(rank, buf) if st.version == ver]
 
     def after_rank(self, st: Acc, rank: int) -> bool:
         """Does some task of `rank` happen before store `st` (so step k+1's `st` follows step k there)?"""
-        rows = [qi for qi, k in enumerate(self.hb.qkeys) if k[0] == rank]
+        rows = self.hb.rank_rows(rank, st.copy)
         return bool((self.hb.vc[st.task.id][st.idx][rows] >= 0).any())
 
     def overlapping_store_pairs(self):
         """Pairs of stores by different tasks that write overlapping parts of one buffer copy."""
-        for sts in self.stores.values():
+        for sts in self.store_lists():
             if len(sts) < 2:
                 continue
             nd = len(sts[0].region.box)
             if nd == 0:
-                yield from ((a, b) for i, a in enumerate(sts) for b in sts[i + 1:] if a.task is not b.task)
+                yield from ((a, b) for i, a in enumerate(sts) for b in sts[i + 1:] if not self.same_instance(a, b))
                 continue
             # sweep along the dim with the most distinct starts (tiles are split along it)
             d = max(range(nd), key=lambda k: len({st.region.box[k][0] for st in sts}))
@@ -252,6 +302,6 @@ class Access:
                 lo = b.region.box[d][0]
                 active = [a for a in active if a.region.box[d][1] > lo]
                 for a in active:
-                    if a.task is not b.task and a.region.overlaps(b.region):
+                    if not self.same_instance(a, b) and a.region.overlaps(b.region):
                         yield a, b
                 active.append(b)

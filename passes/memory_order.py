@@ -70,28 +70,41 @@ class Report:
 
 def check_schedule(schedule: Schedule) -> Report:
     """Check V1-V7; returns every violation found (V1-V4 only for tasks the step reaches)."""
-    s = expand_ranks(schedule)
+    sym = bool(getattr(schedule, "replicated", False)) and schedule.ranks > 1
+    s = schedule if sym else expand_ranks(schedule)
     rep = Report()
     rep.errors += v7_same_grid(s)
     rep.errors += v6_signal_semantics(s)
-    hb = HappensBefore(s)
+    hb = HappensBefore(s, symmetric=sym)
     rep.errors += v5_deadlock(s, hb)
     acc = Access(s, hb)
     rep.errors += v1_v2_producers(s, hb, acc)
     rep.errors += v3_addressed_loads(s, hb, acc)
     rep.errors += v4_races(s, hb, acc)
-    rep.stats = {"tasks": len(s.tasks), "ranks": s.ranks, "queues": len(hb.qkeys)}
+    rep.stats = {"tasks": len(s.tasks), "ranks": s.ranks, "queues": len(hb.qkeys), "symmetric": sym}
     return rep
 
 
 # -- happens-before ------------------------------------------------------------------------------
 class HappensBefore:
-    """One simulated step: completion order, blocked waits, and a vector clock per instruction."""
+    """One simulated step: completion order, blocked waits, and a vector clock per instruction.
 
-    def __init__(self, s: Schedule):
+    Explicit schedules: one clock entry per (rank, sm) queue, a task instance is its task.
+    Symmetric mode (a replicated schedule, R > 1): only rank 0's queues are simulated, in the
+    lockstep execution where every rank does the same thing at the same time (a legal execution,
+    and it completes iff all do: waits are monotone). A task *instance* is (task id, copy):
+    the rank-`copy` copy of a rank-0 task. Clocks are indexed by (rank, rank-0 queue), and the
+    clock of copy c is rank 0's rolled by c along the rank axis (`vc_c[r] = vc_0[r - c]`). A signal
+    to peer offset d is, on rank 0's counter, the signal of copy -d: its clock rolled by -d.
+    """
+
+    def __init__(self, s: Schedule, symmetric: bool = False):
         self.s = s
+        self.sym = symmetric and s.ranks > 1
+        self.R = s.ranks if self.sym else 1
         self.qkeys = sorted(s.queues)
         nq = len(self.qkeys)
+        self.nq = nq
         self.where: dict[int, tuple[int, int]] = {}          # task id -> (queue index, position)
         self.dup: list[int] = []
         for qi, key in enumerate(self.qkeys):
@@ -99,24 +112,45 @@ class HappensBefore:
                 if tid in self.where:
                     self.dup.append(tid)
                 self.where[tid] = (qi, p)
-        self.signals: dict[tuple[int, int], int] = defaultdict(int)   # (rank, event) -> count
-        self.signalers: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # -> (task, instr)
+        self.signals: dict[tuple[int, int], int] = defaultdict(int)   # counter key -> count
+        # counter key -> (task, instr, signal target relative to the task) of every signaler
+        self._signalers: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
         for t in s.tasks:
             for k, i in enumerate(t.instrs):
                 if i.kind is InstrKind.SIGNAL:
-                    self.signals[(target(t, i), i.event)] += 1
-                    self.signalers[(target(t, i), i.event)].append((t.id, k))
-        self.per_step = {(e.rank, e.id): e.per_step for e in s.events}
+                    key = self.ckey(target(t, i), i.event)
+                    self.signals[key] += 1
+                    self._signalers[key].append((t.id, k, target(t, i) - t.rank))
+        self.per_step = {self.ckey(e.rank, e.id): e.per_step for e in s.events}
         self.vc: dict[int, list] = {}        # task id -> vc array before each instr (shared refs)
         self.done: set[int] = set()
         self.blocked: list[tuple[int, Instr, int]] = []   # (task, wait, counter reached)
-        self._run(nq)
+        width = self.R * nq
+        longest = max((len(q) for q in s.queues.values()), default=0)
+        self.dtype = np.int16 if longest < np.iinfo(np.int16).max else np.int32   # clocks are big at R > 1
+        self._run(nq, width)
+
+    def ckey(self, rank: int, event: int) -> tuple[int, int]:
+        """The simulated counter that holds (rank, event)'s value: rank 0's in symmetric mode."""
+        return (0, event) if self.sym else (rank, event)
+
+    def signalers(self, rank: int, event: int):
+        """(task id, instr index, copy) of every signal that counter (rank, event) receives."""
+        R = self.s.ranks
+        for tid, k, d in self._signalers.get(self.ckey(rank, event), ()):
+            yield tid, k, ((rank - d) % R if self.sym else self.s.tasks[tid].rank)
+
+    def roll(self, v: np.ndarray, shift: int) -> np.ndarray:
+        """The clock of the copy `shift` ranks on (symmetric mode)."""
+        if not self.sym or shift % self.R == 0:
+            return v
+        return np.roll(v.reshape(self.R, self.nq), shift, axis=0).reshape(-1)
 
     def full(self, key: tuple[int, int], thr: int) -> bool:
         n = self.signals.get(key, 0)
         return n > 0 and thr >= n
 
-    def _run(self, nq: int) -> None:
+    def _run(self, nq: int, width: int) -> None:
         s = self.s
         counter: dict[tuple[int, int], int] = defaultdict(int)
         evc: dict[tuple[int, int], np.ndarray] = {}
@@ -124,7 +158,7 @@ class HappensBefore:
         ptr = [[0, 0] for _ in range(nq)]                 # (position in queue, instr index)
         cur: list[np.ndarray | None] = [None] * nq
         ready = deque(range(nq))
-        self.end = np.full((nq, nq), -1, dtype=np.int32)  # per queue: vc after its last task
+        self.end = np.full((nq, width), -1, dtype=self.dtype)  # per queue: vc after its last task
         while ready:
             q = ready.popleft()
             queue = s.queues[self.qkeys[q]]
@@ -132,7 +166,7 @@ class HappensBefore:
                 p, ii = ptr[q]
                 task = s.tasks[queue[p]]
                 if ii == 0:
-                    v = np.full(nq, -1, dtype=np.int32) if cur[q] is None else cur[q].copy()
+                    v = np.full(width, -1, dtype=self.dtype) if cur[q] is None else cur[q].copy()
                     v[q] = p - 1
                     cur[q] = v
                     self.vc[task.id] = [None] * len(task.instrs)
@@ -142,19 +176,22 @@ class HappensBefore:
                     continue
                 ins = task.instrs[ii]
                 if ins.kind is InstrKind.WAIT:
-                    key = (target(task, ins), ins.event)
+                    tg = target(task, ins)
+                    key = self.ckey(tg, ins.event)
                     if counter[key] < ins.threshold:
                         waiting[key].append(q)
                         break
                     if self.full(key, ins.threshold):
-                        cur[q] = np.maximum(cur[q], evc[key])
+                        cur[q] = np.maximum(cur[q], self.roll(evc[key], tg - task.rank))
                 elif ins.kind is InstrKind.SIGNAL:
-                    key = (target(task, ins), ins.event)
+                    tg = target(task, ins)
+                    key = self.ckey(tg, ins.event)
                     counter[key] += 1
+                    mine = cur[q].copy()
+                    mine[q] = max(mine[q], p)
+                    mine = self.roll(mine, task.rank - tg)
                     e = evc.get(key)
-                    e = cur[q].copy() if e is None else np.maximum(e, cur[q])
-                    e[q] = max(e[q], p)
-                    evc[key] = e
+                    evc[key] = mine if e is None else np.maximum(e, mine)
                     ready.extend(waiting.pop(key, []))
                 self.vc[task.id][ii] = cur[q]
                 ptr[q][1] += 1
@@ -168,20 +205,35 @@ class HappensBefore:
             if ptr[q][0] < len(queue):
                 task = s.tasks[queue[ptr[q][0]]]
                 w = task.instrs[ptr[q][1]]
-                self.blocked.append((task.id, w, counter[(target(task, w), w.event)]))
+                self.blocked.append((task.id, w, counter[self.ckey(target(task, w), w.event)]))
 
-    def before(self, tid: int, other: int, idx: int) -> bool:
-        """Does task `tid` (all of it) happen before instruction `idx` of task `other`?"""
-        if tid == other:
+    def cidx(self, tid: int, copy: int, rel: int = 0) -> int:
+        """Clock index of task instance (tid, copy) as seen from an instance of copy `rel`."""
+        q, _ = self.where[tid]
+        return ((copy - rel) % self.R) * self.nq + q if self.sym else q
+
+    def before(self, tid: int, other: int, idx: int, copy: int = 0, other_copy: int = 0) -> bool:
+        """Does task instance (tid, copy) (all of it) happen before instruction `idx` of
+        instance (other, other_copy)? (Copies matter in symmetric mode only.)"""
+        if tid == other and (not self.sym or copy == other_copy):
             return False
-        q, p = self.where[tid]
-        return bool(self.vc[other][idx][q] >= p)
+        _, p = self.where[tid]
+        return bool(self.vc[other][idx][self.cidx(tid, copy, other_copy)] >= p)
 
-    def rank_reaches(self, tid: int, rank: int) -> bool:
-        """Does task `tid` happen before some task of `rank` (so before that rank's next step)?"""
-        q, p = self.where[tid]
-        rows = [qi for qi, k in enumerate(self.qkeys) if k[0] == rank]
-        return bool((self.end[rows, q] >= p).any())
+    def rank_rows(self, rank: int, rel: int = 0) -> slice | list[int]:
+        """Clock entries of `rank`'s queues, seen from an instance of copy `rel`."""
+        if self.sym:
+            r = (rank - rel) % self.R
+            return slice(r * self.nq, (r + 1) * self.nq)
+        return [qi for qi, k in enumerate(self.qkeys) if k[0] == rank]
+
+    def rank_reaches(self, tid: int, rank: int, copy: int = 0) -> bool:
+        """Does instance (tid, copy) happen before some task of `rank` (so before that rank's
+        next step)?"""
+        _, p = self.where[tid]
+        if self.sym:      # rank `rank`'s queue ends are rank 0's rolled by `rank`
+            return bool((self.end[:, self.cidx(tid, copy, rank)] >= p).any())
+        return bool((self.end[self.rank_rows(rank), self.cidx(tid, copy)] >= p).any())
 
 
 def target(task, ins: Instr) -> int:
@@ -207,16 +259,17 @@ def v1_v2_producers(s: Schedule, hb: HappensBefore, acc: Access) -> list[Violati
         for st in missing:
             later_wait = next((j for j in range(ld.idx + 1, len(ld.task.instrs))
                                if ld.task.instrs[j].kind is InstrKind.WAIT
-                               and hb.vc[ld.task.id][j] is not None and hb.before(st.task.id, ld.task.id, j)), None)
+                               and hb.vc[ld.task.id][j] is not None
+                               and hb.before(st.task.id, ld.task.id, j, st.copy, ld.copy)), None)
             if later_wait is not None:
                 w = ld.task.instrs[later_wait]
                 out.append(Violation(Rule.V2, ld.task.id, region_str(ld.region, ld.rank),
                                      wait_str((target(ld.task, w), w.event), w.threshold),
-                                     f"load placed before the wait that orders it after producer task {st.task.id}"))
+                                     f"load placed before the wait that orders it after producer task {acc.name(st)}"))
             else:
                 out.append(Violation(Rule.V1, ld.task.id, region_str(ld.region, ld.rank),
-                                     f"a wait ordering it after task {st.task.id}",
-                                     f"read does not happen after producer task {st.task.id}"))
+                                     f"a wait ordering it after task {acc.name(st)}",
+                                     f"read does not happen after producer task {acc.name(st)}"))
             break
         if not missing and ld.needs_producer and not acc.covered(ld):
             out.append(Violation(Rule.V1, ld.task.id, region_str(ld.region, ld.rank), "",
@@ -224,7 +277,7 @@ def v1_v2_producers(s: Schedule, hb: HappensBefore, acc: Access) -> list[Violati
         for st in later:
             if acc.store_before_load(st, ld):
                 out.append(Violation(Rule.V1, ld.task.id, region_str(ld.region, ld.rank), "",
-                                     f"reads %{ld.region.tensor} but task {st.task.id} already wrote "
+                                     f"reads %{ld.region.tensor} but task {acc.name(st)} already wrote "
                                      f"%{st.region.tensor} over it in this step"))
                 break
     return out
@@ -238,11 +291,11 @@ def v3_addressed_loads(s: Schedule, hb: HappensBefore, acc: Access) -> list[Viol
         a = ld.region and ld.instr.addressed_by
         if not a:
             continue
-        for st in acc.writers_of(a, ld.task.rank):
+        for st in acc.writers_of(a, ld.copy):
             if not acc.store_before_load(st, ld):
                 out.append(Violation(Rule.V3, ld.task.id, region_str(ld.region, ld.rank),
-                                     f"a wait ordering it after task {st.task.id}",
-                                     f"load addressed by %{a} is not ordered after its producer task {st.task.id}"))
+                                     f"a wait ordering it after task {acc.name(st)}",
+                                     f"load addressed by %{a} is not ordered after its producer task {acc.name(st)}"))
                 break
     return out
 
@@ -257,27 +310,27 @@ def v4_races(s: Schedule, hb: HappensBefore, acc: Access) -> list[Violation]:
             continue
         same, later = acc.writers(ld)
         for st in later:
-            if not acc.store_before_load(st, ld) and st.task.id != ld.task.id \
-                    and not hb.before(ld.task.id, st.task.id, st.idx):
-                out.append(Violation(Rule.V4, st.task.id, region_str(st.region, st.rank),
+            if not acc.store_before_load(st, ld) and not acc.same_instance(st, ld) \
+                    and not hb.before(ld.task.id, st.task.id, st.idx, ld.copy, st.copy):
+                out.append(Violation(Rule.V4, acc.tid(st), region_str(st.region, st.rank),
                                      f"a wait ordering it after reader task {ld.task.id}",
                                      f"write-after-read race: overwrites what task {ld.task.id} reads"))
                 break
         for st in same:
-            if st.task.rank != st.rank and st.task.rank != ld.task.rank:
+            if st.copy != st.rank and st.copy != ld.copy:
                 # peer write into this rank's buffer: step k+1's write must follow step k's read
-                if not hb.rank_reaches(ld.task.id, st.task.rank) and not acc.after_rank(st, ld.task.rank) \
+                if not hb.rank_reaches(ld.task.id, st.copy, ld.copy) and not acc.after_rank(st, ld.copy) \
                         and not _acked_last_step(s, hb, st, ld):
-                    out.append(Violation(Rule.V4, st.task.id, region_str(st.region, st.rank),
-                                         f"a wait on rank {ld.task.rank} after reader task {ld.task.id}",
+                    out.append(Violation(Rule.V4, acc.tid(st), region_str(st.region, st.rank),
+                                         f"a wait on rank {ld.copy} after reader task {ld.task.id}",
                                          f"comm buffer reused next step before reader task {ld.task.id} consumed it"))
                     break
     for a, b in acc.overlapping_store_pairs():
-        if hb.before(a.task.id, b.task.id, b.idx) or hb.before(b.task.id, a.task.id, a.idx):
+        if hb.before(a.task.id, b.task.id, b.idx, a.copy, b.copy) or hb.before(b.task.id, a.task.id, a.idx, b.copy, a.copy):
             continue
-        out.append(Violation(Rule.V4, b.task.id, region_str(b.region, b.rank),
-                             f"a wait ordering it after task {a.task.id}",
-                             f"write-after-write race with task {a.task.id}"))
+        out.append(Violation(Rule.V4, acc.tid(b), region_str(b.region, b.rank),
+                             f"a wait ordering it after task {acc.name(a)}",
+                             f"write-after-write race with task {acc.name(a)}"))
     return out
 
 
@@ -287,6 +340,7 @@ def _acked_last_step(s: Schedule, hb: HappensBefore, st, ld) -> bool:
     step k+1 for counter >= (k+1) * per_step + t has seen every step-k signal."""
     q, p = hb.where[st.task.id]
     queue = s.queues[hb.qkeys[q]]
+    R = s.ranks
     for tid in queue[:p + 1]:
         t = s.tasks[tid]
         for k, w in enumerate(t.instrs):
@@ -294,9 +348,12 @@ def _acked_last_step(s: Schedule, hb: HappensBefore, st, ld) -> bool:
                 break
             if w.kind is not InstrKind.WAIT:
                 continue
-            for sig, si in hb.signalers.get((target(t, w), w.event), ()):
-                if sig == ld.task.id or (hb.vc.get(sig) and hb.vc[sig][si] is not None
-                                         and hb.before(ld.task.id, sig, si)):
+            # the wait of st's instance (copy st.copy) is on its own copy's view of the counter
+            tg = (target(t, w) + st.copy) % R if hb.sym else target(t, w)
+            for sig, si, sc in hb.signalers(tg, w.event):
+                if (sig == ld.task.id and (not hb.sym or sc == ld.copy)) or (
+                        hb.vc.get(sig) and hb.vc[sig][si] is not None
+                        and hb.before(ld.task.id, sig, si, ld.copy, sc)):
                     return True
     return False
 
@@ -321,10 +378,10 @@ def v5_deadlock(s: Schedule, hb: HappensBefore) -> list[Violation]:
         for i in t.instrs:
             if i.kind is InstrKind.WAIT:
                 key = (target(t, i), i.event)
-                if i.threshold > hb.signals.get(key, 0):
+                if i.threshold > hb.signals.get(hb.ckey(*key), 0):
                     unreachable.add(t.id)
                     out.append(Violation(Rule.V5, t.id, wait=wait_str(key, i.threshold),
-                                         message=f"threshold unreachable: only {hb.signals.get(key, 0)} signals per step"))
+                                         message=f"threshold unreachable: only {hb.signals.get(hb.ckey(*key), 0)} signals per step"))
     for tid, w, reached in hb.blocked:
         if tid not in unreachable:
             t = s.tasks[tid]
@@ -339,14 +396,18 @@ def v6_signal_semantics(s: Schedule) -> list[Violation]:
     signals and waits on another rank's counter use system scope."""
     out = []
     remote_sig = set()      # counters some other rank signals
+    sym = bool(getattr(s, "replicated", False))    # then every rank's counter e is alike: key (0, e)
     for t in s.tasks:
         for i in t.instrs:
             if i.kind is InstrKind.SIGNAL and target(t, i) != t.rank:
-                remote_sig.add((target(t, i), i.event))
+                remote_sig.add((0 if sym else target(t, i), i.event))
+    SIG, WAIT, STORE = InstrKind.SIGNAL, InstrKind.WAIT, InstrKind.STORE
     for t in s.tasks:
-        last_store = max((k for k, i in enumerate(t.instrs) if i.kind is InstrKind.STORE), default=-1)
+        if not any(i.kind is SIG or i.kind is WAIT for i in t.instrs):
+            continue            # most tasks of a big schedule: only loads, compute and stores
+        last_store = max((k for k, i in enumerate(t.instrs) if i.kind is STORE), default=-1)
         for k, i in enumerate(t.instrs):
-            if i.kind is InstrKind.SIGNAL:
+            if i.kind is SIG:
                 if k < last_store:
                     r = t.instrs[last_store].region
                     out.append(Violation(Rule.V6, t.id, region_str(r, r.rank), "",
@@ -354,14 +415,17 @@ def v6_signal_semantics(s: Schedule) -> list[Violation]:
                 if i.sem is not Sem.release:
                     out.append(Violation(Rule.V6, t.id, "", "",
                                          f"signal e{i.event} uses {i.sem.value} semantics, needs release"))
-            if i.kind is InstrKind.WAIT and i.sem is not Sem.acquire:
-                out.append(Violation(Rule.V6, t.id, "", f"e{i.event} >= {i.threshold}",
-                                     f"wait uses {i.sem.value} semantics, needs acquire"))
+            elif i.kind is WAIT:
+                if i.sem is not Sem.acquire:
+                    out.append(Violation(Rule.V6, t.id, "", f"e{i.event} >= {i.threshold}",
+                                         f"wait uses {i.sem.value} semantics, needs acquire"))
+            else:
+                continue
             remote = i.peer is not None and i.peer != t.rank
-            if i.kind is InstrKind.WAIT and not remote:   # a local counter that peers signal
-                remote = (t.rank, i.event) in remote_sig
-            if i.kind in (InstrKind.WAIT, InstrKind.SIGNAL) and remote and i.scope is not Scope.sys:
-                out.append(Violation(Rule.V6, t.id, "", f"e{i.event} >= {i.threshold}" if i.kind is InstrKind.WAIT else "",
+            if i.kind is WAIT and not remote:   # a local counter that peers signal
+                remote = (0 if sym else t.rank, i.event) in remote_sig
+            if remote and i.scope is not Scope.sys:
+                out.append(Violation(Rule.V6, t.id, "", f"e{i.event} >= {i.threshold}" if i.kind is WAIT else "",
                                      f"cross-GPU {i.kind.value} e{i.event} uses {i.scope.value} scope, needs sys"))
     return out
 
@@ -371,7 +435,8 @@ def v7_same_grid(s: Schedule) -> list[Violation]:
     taken relative to the task's own) and declares the same event layout."""
     out = []
     R = s.ranks
-    if R == 1:
+    if R == 1 or getattr(s, "replicated", False):
+        # a replicated schedule is rank 0's grid by construction: every rank runs these queues
         return [Violation(Rule.V7, None, message=f"queue (rank {k[0]}, sm {k[1]}) outside the 1-rank x "
                                                  f"{s.sms}-SM grid") for k in s.queues
                 if not (k[0] == 0 and 0 <= k[1] < s.sms)]
