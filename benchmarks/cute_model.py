@@ -2,8 +2,9 @@
 
 For each model (Llama tiny, Kimi K3 tiny when its lowering is complete) and batch 1 and 4:
   - fusec.compile(..., backend="cute", device="cuda") and backend="reference" on the GPU, bf16;
-  - 8 consecutive decode steps, both fed the same tokens (the reference's greedy tokens), so
-    caches evolve identically; logits relative error per step and greedy-token agreement;
+  - 8 consecutive decode steps, both fed the same fresh random tokens each step (teacher forcing:
+    greedy feedback of random tiny weights tends to repeat one token, which would hide attention
+    errors), so caches evolve identically; logits relative error per step and greedy-token agreement;
   - step wall time (run(): input copy + launch + error check, synchronizing) and the kernel
     alone replayed from a CUDA graph.
 Then a planted missing signal (the embedding task's signal dropped) must raise
@@ -52,7 +53,7 @@ def compare(name: str, batch: int, steps: int, max_len: int = 16) -> dict:
         agree += int((o_cu.next_tokens.cpu() == o_ref.next_tokens.cpu()).sum())
         print(f"  {name} B={batch} step {s}: logits rel err {e:.2e}, tokens ref "
               f"{o_ref.next_tokens.tolist()} cute {o_cu.next_tokens.tolist()}", flush=True)
-        tok = o_ref.next_tokens.to(torch.int32)
+        tok = torch.randint(0, vocab, (batch,), generator=g, dtype=torch.int32).cuda()
     run = cute.runner
     # Step wall time through the API (synchronizing error check included).
     pos = torch.full((batch,), steps - 1, dtype=torch.int32, device="cuda")
