@@ -1,0 +1,47 @@
+"""Whole decode steps through fusec.compile(backend="cute") against the reference executor on the
+GPU (marked gpu; skipped without CUDA or nvidia-cutlass-dsl). Timing lives in
+benchmarks/cute_model.py."""
+import dataclasses
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl==4.8.1 not installed")
+
+import fusec  # noqa: E402
+from fusec.backends.cute.plan import NO_EVENT  # noqa: E402
+from fusec.backends.cute.runtime import Megakernel, MegakernelTimeout  # noqa: E402
+from fusec.models import llama  # noqa: E402
+
+MODEL = llama.__file__
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_llama_tiny_steps_match_reference(batch):
+    cute = fusec.compile(MODEL, "tiny", backend="cute", batch=batch, max_len=16, device="cuda")
+    ref = fusec.compile(MODEL, "tiny", backend="reference", batch=batch, max_len=16, device="cuda")
+    gen = torch.Generator().manual_seed(batch)
+    for s in range(6):
+        tok = torch.randint(0, 1024, (batch,), generator=gen, dtype=torch.int32).cuda()
+        pos = torch.full((batch,), s, dtype=torch.int32, device="cuda")
+        a, b = cute(tok, pos), ref(tok, pos)
+        err = float((a.logits - b.logits).norm() / b.logits.norm())
+        assert err < 2e-2, f"step {s}: logits rel err {err}"
+        assert torch.equal(a.next_tokens.cpu(), b.next_tokens.cpu())
+
+
+def test_missing_signal_is_a_bounded_error():
+    run = fusec.compile(MODEL, "tiny", backend="cute", batch=1, max_len=16, device="cuda").runner
+    tasks = list(run.plan.tasks)
+    i = next(i for i, t in enumerate(tasks) if t.signal_event == 0)
+    tasks[i] = dataclasses.replace(tasks[i], signal_event=NO_EVENT)
+    mk = Megakernel(dataclasses.replace(run.plan, tasks=tuple(tasks), spin_timeout_ns=100_000_000))
+    t0 = time.perf_counter()
+    mk.step()
+    with pytest.raises(MegakernelTimeout, match="waited on event"):
+        mk.check()
+    assert time.perf_counter() - t0 < 1.0
