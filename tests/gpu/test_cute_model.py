@@ -2,7 +2,6 @@
 GPU (marked gpu; skipped without CUDA or nvidia-cutlass-dsl). Timing lives in
 benchmarks/cute_model.py."""
 import dataclasses
-import time
 
 import pytest
 
@@ -40,8 +39,6 @@ def test_missing_signal_is_a_bounded_error():
     i = next(i for i, t in enumerate(tasks) if t.signal_event == 0)
     tasks[i] = dataclasses.replace(tasks[i], signal_event=NO_EVENT)
     mk = Megakernel(dataclasses.replace(run.plan, tasks=tuple(tasks), spin_timeout_ns=100_000_000))
-    t0 = time.perf_counter()
-    mk.step()
+    mk.step()  # returns (bounded spin); the time it takes is reported by benchmarks/cute_model.py
     with pytest.raises(MegakernelTimeout, match="waited on event"):
         mk.check()
-    assert time.perf_counter() - t0 < 1.0
