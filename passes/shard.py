@@ -1,38 +1,53 @@
-"""shard: tensor parallel + expert parallel over R = prog.opts.ranks ranks (SPMD).
+"""shard: hybrid tensor parallel + expert parallel over R = prog.opts.ranks ranks (SPMD).
 
-One graph that every rank runs, with per-rank weight and state shards. The pass walks the ops in
-order and tracks each value's *layout* on the ranks:
+One graph that every rank runs, with per-rank weight and state shards. Degrees (`plan_degrees`):
+  tp = the largest divisor of R that divides every split dim of the TP plan (head counts,
+       column-parallel output widths, row-parallel input widths, vocab);
+  ep = gcd(R, E) for the routed experts (E = 896 for K3: R = 64 -> 64, R = 72 -> 8).
+The R ranks form R / tp *replica groups*: rank r is in TP group {r mod s + k s : k < tp}
+(s = R / tp) at index r // s, and in EP group {r mod s' + k s' : k < ep} (s' = R / ep). Replica
+groups compute the same values (at decode every rank holds every token, so a replica's mixers
+repeat the others' work: the attention/mixer weights are read tp-way sharded, not R-way; this is
+the "TP inside, replicas across" layout of deployments without data-parallel attention). With
+ep < R the experts are replicated R / ep times (even placement; uneven placement of 896 experts
+over 72 ranks is not planned). Groups are cosets (see fusec/ir/ops/comm.py) so every collective's
+peers are the same offsets on every rank and the schedule stays a pure rotation.
+
+The pass walks the ops in order and tracks each value's *layout* on the ranks:
   FULL         every rank holds the whole value (replicated computation)
-  SPLIT(d)     rank r holds the r-th of R equal chunks of dim d
-  PARTIAL      the value is the sum over ranks of what each rank holds (row-parallel GEMV output)
-  EP           expert-parallel rows: each [token, slot] row lives on the rank owning its expert,
-               zeros on the others (so it is also a valid PARTIAL)
+  SPLIT(d)     rank r holds the (r // s)-th of tp equal chunks of dim d (its TP group index)
+  PARTIAL      the value is the sum over r's TP group of what each member holds
+  EP           expert-parallel rows: each [token, slot] row lives on the EP group member owning
+               its expert, zeros on the others
+  PARTIAL_EP   the sum over r's EP group (a combine of EP rows); PARTIAL itself when ep == tp
   PARTS        a merged projection's output: each slice of it has its own layout
 An op either runs on the layouts it gets (its sharding rule) or its inputs are converted first:
 PARTIAL -> FULL `all_reduce`, PARTIAL -> SPLIT `reduce_scatter`, SPLIT -> FULL `all_gather`,
-FULL -> SPLIT `rank_slice` (local, no traffic). Conversions are memoised, so a value is
-all-gathered at most once. The plan per op is in docs/passes.md; in short: column-parallel
-projections split their output (heads for KDA/MLA/GQA), row-parallel o_proj/down_proj give
-PARTIAL sums, routed experts are split E/R per rank (`ep_ranks`), the combined latent is
-all-reduced before the latent RMSNorm, the latent up-projection is row-parallel and shares the
-shared expert's all-reduce, lm_head is vocab-parallel and its logits are all-gathered before argmax.
+FULL -> SPLIT `rank_slice` (local, no traffic), each over the layout's group (attrs `ranks` =
+group size, `stride`). Conversions are memoised, so a value is all-gathered at most once. The
+plan per op is in docs/passes.md; in short: column-parallel projections split their output
+(heads for KDA/MLA/GQA), row-parallel o_proj/down_proj give PARTIAL sums, routed experts are
+split E/ep per rank (`ep_ranks`, `ep_stride`), the combined latent is all-reduced (EP group)
+before the latent RMSNorm, the latent up-projection is row-parallel and shares the shared
+expert's all-reduce, lm_head is vocab-parallel and its logits are all-gathered before argmax.
 
 Which linears are column/row parallel comes from `LINEAR_PLAN` (fnmatch on the weight's full
 name, first match wins; unmatched linears are replicated). Every other weight's slicing follows
-from the op that reads it. Each sharded parameter is annotated `{split = [...], ranks = R}` (and
-keeps canonicalize's `sources`) so a loader slices the full checkpoint tensor and the printed
-.fir re-parses. Replicated unmerged parameters carry no annotation.
+from the op that reads it. Each sharded parameter is annotated `{split = [...], ranks = g}` plus
+`stride = s` when s > 1 (and keeps canonicalize's `sources`) so a loader slices the full
+checkpoint tensor (rank r takes slice r // s) and the printed .fir re-parses. Replicated
+unmerged parameters carry no annotation.
 
 Requires: a verified graph, not yet sharded (no collectives); canonicalize's merged projections
           only as `linear` -> `slice` of whole parts.
 Ensures:  R == 1: no change. R > 1: per-rank shapes; every graph output FULL; fusion groups that a
           collective now cuts are split (the side without the anchor leaves the group, logged);
-          R must divide every split dim (heads, experts, vocab, widths) or the pass fails
-          naming the op and the dim.
+          `prog.notes["shard"]` = {"ranks", "tp", "ep"}.
 """
 from __future__ import annotations
 
 import fnmatch
+import math
 
 from fusec.config import log
 from fusec.ir.graph import Graph, Op, Value
@@ -51,7 +66,8 @@ LINEAR_PLAN: list[tuple[str, str]] = [
     ("*.o_proj.weight", ROW), ("*.down_proj.weight", ROW),
     ("lm_head.weight", COL),
 ]
-FULL, PARTIAL, EP = ("full",), ("partial",), ("ep",)
+FULL, PARTIAL, EP, PARTIAL_EP = ("full",), ("partial",), ("ep",), ("partial_ep",)
+MOE_OPS = ("moe_gate_up", "moe_down")
 
 
 def SPLIT(d: int):
@@ -69,21 +85,61 @@ def run(prog: Program) -> bool:
         return False
     if any(Trait.collective in op.opdef.traits for op in prog.graph.ops):
         raise ShardError("shard: the graph already has collectives (sharded twice?)")
-    _check_heads(prog.graph, R)
-    prog.graph = _Sharder(prog, R).run()
+    tp, ep = plan_degrees(prog.graph, R)
+    while True:
+        try:
+            graph = _Sharder(prog, R, tp, ep).run()
+            break
+        except ShardError as e:     # a split dim plan_degrees does not know about: a smaller tp
+            smaller = [d for d in _divisors(R) if d < tp]
+            if not smaller:
+                raise
+            log(prog.opts, "fusion", f"shard: tp = {tp} fails ({e}); trying tp = {smaller[-1]}")
+            tp = smaller[-1]
+    prog.graph = graph
+    log(prog.opts, "fusion", f"shard: R = {R}: tp = {tp} ({R // tp} replica groups), ep = {ep}")
     _split_cut_groups(prog)
     prog.notes["ranks"] = R
+    prog.notes["shard"] = {"ranks": R, "tp": tp, "ep": ep}
     return True
 
 
-def _check_heads(g: Graph, R: int) -> None:
-    """Heads are the unit of tensor parallelism for the mixers: say so before any width check."""
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_degrees(g: Graph, R: int) -> tuple[int, int]:
+    """(tp, ep): the largest divisor of R dividing every dim the TP plan splits, and gcd(R, E)."""
+    dims: list[int] = []
+    experts: list[int] = []
+    users = g.users()
     for op in g.ops:
         for attr in ("heads", "kv_heads"):
-            h = op.attrs.get(attr)
-            if isinstance(h, int) and h % R:
-                raise ShardError(f"shard: {op.opname} %{op.outputs[0].name} has {h} {attr.replace('_', ' ')}, "
-                                 f"which {R} ranks cannot split: use a rank count that divides {h}")
+            if isinstance(op.attrs.get(attr), int):
+                dims.append(op.attrs[attr])
+        if op.opname in MOE_OPS:
+            experts.append(op.inputs[-1].type.shape[0])
+        if op.opname == "linear":
+            w = op.inputs[1]
+            sources = g.param_attrs.get(w.name, {}).get("sources")
+            if sources:
+                dims += [n for src, n in zip(sources, _source_rows(users, op)) if linear_plan(src) == COL]
+            elif linear_plan(w.name) == COL:
+                dims.append(w.type.shape[0])
+            elif linear_plan(w.name) == ROW:
+                dims.append(w.type.shape[1])
+    tp = max(d for d in _divisors(R) if all(isinstance(n, int) and n % d == 0 for n in dims))
+    ep = math.gcd(R, *experts) if experts else 1
+    return tp, ep
+
+
+def _source_rows(users_of: dict, op: Op) -> list[int]:
+    """Row counts of a merged weight's sources, read off canonicalize's slices of the output."""
+    users = users_of[op.outputs[0].name]
+    if not users or any(u.opname != "slice" for u in users):
+        raise ShardError(f"shard: merged linear %{op.outputs[0].name} must be read only through slices")
+    bounds = sorted({(u.attrs["start"], u.attrs["end"]) for u in users})
+    return [e - s for s, e in bounds]
 
 
 def linear_plan(weight_name: str) -> str:
@@ -91,8 +147,13 @@ def linear_plan(weight_name: str) -> str:
 
 
 class _Sharder:
-    def __init__(self, prog: Program, R: int):
+    def __init__(self, prog: Program, R: int, tp: int, ep: int):
         self.prog, self.R, self.src = prog, R, prog.graph
+        self.T, self.ts = tp, R // tp          # TP group: size and stride
+        self.E, self.es = ep, R // ep          # EP group: size and stride
+        # a combine of EP rows sums over the EP group: the same layout as PARTIAL when the groups agree
+        self.pep = PARTIAL if ep == tp else PARTIAL_EP
+        self.users = prog.graph.users()
         self.g = Graph(self.src.name, self.src.dims)
         self.m: dict[str, Value] = {}          # old value name -> new value
         self.lay: dict[str, tuple] = {}        # new value name -> layout
@@ -120,12 +181,15 @@ class _Sharder:
         return self.g
 
     # -- parameters -------------------------------------------------------------------------------
-    def _declare(self, v: Value, shape, ann: dict) -> Value:
+    def _declare(self, v: Value, shape, ann: dict, expert: bool = False) -> Value:
         nv = self.g.param(v.name, v.type.with_shape(shape))
         src_ann = dict(self.src.param_attrs.get(v.name, {}))
         if ann:
+            size, stride = (self.E, self.es) if expert else (self.T, self.ts)
             src_ann.update(ann)
-            src_ann["ranks"] = self.R
+            src_ann["ranks"] = size
+            if stride > 1:
+                src_ann["stride"] = stride
         if src_ann:
             self.g.param_attrs[v.name] = src_ann
         self.m[v.name] = nv
@@ -133,8 +197,9 @@ class _Sharder:
         self.param_done.add(v.name)
         return nv
 
-    def param(self, v: Value, dim: int = -1, split_len: int = 0) -> Value:
-        """The new param for old param v, split along `dim` (-1: whole) on first use."""
+    def param(self, v: Value, dim: int = -1, split_len: int = 0, expert: bool = False) -> Value:
+        """The new param for old param v, split along `dim` (-1: whole) on first use, over the TP
+        group (over the EP group if `expert`)."""
         if v.name in self.param_done:
             nv = self.m[v.name]
             want = self._split_of(v.name)
@@ -145,18 +210,16 @@ class _Sharder:
             return self._declare(v, v.type.shape, {})
         shape = list(v.type.shape)
         n = split_len or shape[dim]
-        self._need(n, f"dim {dim} of %{v.name}")
-        if split_len:
-            shape[dim] = split_len // self.R
-        else:
-            shape[dim] //= self.R
+        parts = self.E if expert else self.T
+        self._need(n, f"dim {dim} of %{v.name}", parts)
+        shape[dim] = n // parts
         n_src = len(self.src.param_attrs.get(v.name, {}).get("sources", (v.name,)))
         if n_src > 1:
             raise ShardError(f"shard: merged %{v.name} must be split per source (a linear's weight)")
         ann = {"split": (dim,)}
         if split_len:
             ann["split_len"] = (split_len,)
-        nv = self._declare(v, shape, ann)
+        nv = self._declare(v, shape, ann, expert)
         self.lay[nv.name] = SPLIT(dim)
         return nv
 
@@ -164,9 +227,16 @@ class _Sharder:
         a = self.g.param_attrs.get(name, {})
         return (a.get("split", (-1,))[0], a.get("split_len", (0,))[0])
 
-    def _need(self, n, what: str) -> None:
-        if not isinstance(n, int) or n % self.R:
-            raise ShardError(f"shard: cannot split {what} ({n}) over {self.R} ranks: {self.R} must divide it")
+    def _need(self, n, what: str, parts: int = 0) -> None:
+        parts = parts or self.T
+        if not isinstance(n, int) or n % parts:
+            raise ShardError(f"shard: cannot split {what} ({n}) over {parts} ranks: {parts} must divide it")
+
+    def _group(self, lay: tuple) -> dict:
+        """Collective attrs of the group a layout lives on."""
+        if lay in (EP, PARTIAL_EP):
+            return {"ranks": self.E, "stride": self.es}
+        return {"ranks": self.T, "stride": self.ts}
 
     # -- emitting ---------------------------------------------------------------------------------
     def emit(self, opname: str, inputs: list[Value], attrs: dict, names: list[str] | None = None,
@@ -188,22 +258,24 @@ class _Sharder:
 
     def to(self, v: Value, want: tuple) -> Value:
         have = self.lay[v.name]
-        if have == want or (want == PARTIAL and have == EP):
+        if have == want or (want == self.pep and have == EP):
             return v
         key = (v.name, want)
         if key in self.conv:
             return self.conv[key]
-        R = self.R
-        if have in (PARTIAL, EP) and want == FULL:
-            out = self.emit("all_reduce", [v], {"ranks": R})[0]
-        elif have in (PARTIAL, EP) and want[0] == "split":
+        sums = (PARTIAL, EP, PARTIAL_EP)
+        if have in sums and want == FULL:
+            out = self.emit("all_reduce", [v], self._group(have))[0]
+        elif have in sums and want[0] == "split":
+            if self._group(have) != self._group(want):     # EP sums live on another group
+                return self.to(self.to(v, FULL), want)
             self._need(v.type.shape[want[1]], f"dim {want[1]} of %{v.name}")
-            out = self.emit("reduce_scatter", [v], {"ranks": R, "dim": want[1]})[0]
+            out = self.emit("reduce_scatter", [v], {**self._group(have), "dim": want[1]})[0]
         elif have[0] == "split" and want == FULL:
-            out = self.emit("all_gather", [v], {"ranks": R, "dim": have[1]})[0]
+            out = self.emit("all_gather", [v], {**self._group(have), "dim": have[1]})[0]
         elif have == FULL and want[0] == "split":
             self._need(v.type.shape[want[1]], f"dim {want[1]} of %{v.name}")
-            out = self.emit("rank_slice", [v], {"ranks": R, "dim": want[1]}, group=self.group)[0]
+            out = self.emit("rank_slice", [v], {**self._group(want), "dim": want[1]}, group=self.group)[0]
         elif have[0] == "split" and want[0] == "split":
             return self.to(self.to(v, FULL), want)
         else:
@@ -235,8 +307,8 @@ class _Sharder:
         lays = {self.L(v) for v in op.inputs}
         if len(lays) == 1:
             (lay,) = lays
-            if lay[0] == "split" or lay == FULL or (allow_partial and lay in (PARTIAL, EP)):
-                lay = PARTIAL if lay == EP else lay
+            if lay[0] == "split" or lay == FULL or (allow_partial and lay in (PARTIAL, EP, PARTIAL_EP)):
+                lay = self.pep if lay == EP else lay
                 self.copy_op(op, [self.act(v) for v in op.inputs], layouts=[lay] * len(op.outputs))
                 return
         self._op_default(op)
@@ -252,7 +324,7 @@ class _Sharder:
         sources = self.src.param_attrs.get(w.name, {}).get("sources")
         if sources:
             return self._merged_linear(op, list(sources))
-        plan = linear_plan(w.name)
+        plan = linear_plan(w.name) if self.T > 1 else REP
         if plan == COL:
             self._need(w.type.shape[0], f"output dim of %{w.name} ({op.outputs[0].name})")
             self.copy_op(op, [self.to(self.act(x), FULL), self.param(w, 0)], layouts=[SPLIT(x.type.rank - 1)])
@@ -266,28 +338,20 @@ class _Sharder:
     def _merged_linear(self, op: Op, sources: list[str]) -> None:
         x, w = op.inputs
         plans, parts, start, lstart = [], [], 0, 0
-        rows = self._source_rows(op)
+        rows = _source_rows(self.users, op)
         for s, n in zip(sources, rows):
-            p = linear_plan(s)
+            p = linear_plan(s) if self.T > 1 else REP
             if p == ROW:
                 log(self.prog.opts, "fusion", f"shard: row-parallel %{s} inside merged %{w.name}: kept whole")
                 p = REP
             if p == COL:
                 self._need(n, f"output dim of %{s} in merged %{w.name}")
-            ln = n // self.R if p == COL else n
+            ln = n // self.T if p == COL else n
             parts.append((start, start + n, SPLIT(x.type.rank - 1) if p == COL else FULL, lstart, lstart + ln))
             plans.append(0 if p == COL else -1)
             start, lstart = start + n, lstart + ln
         nw = self._declare(w, (lstart, w.type.shape[1]), {"split": tuple(plans)})   # keeps `sources`
         self.copy_op(op, [self.to(self.act(x), FULL), nw], layouts=[("parts", tuple(parts))])
-
-    def _source_rows(self, op: Op) -> list[int]:
-        """Row counts of a merged weight's sources, read off canonicalize's slices of the output."""
-        users = [u for u in self.src.ops if op.outputs[0] in u.inputs]
-        if not users or any(u.opname != "slice" for u in users):
-            raise ShardError(f"shard: merged linear %{op.outputs[0].name} must be read only through slices")
-        bounds = sorted({(u.attrs["start"], u.attrs["end"]) for u in users})
-        return [e - s for s, e in bounds]
 
     def _op_slice(self, op: Op) -> None:
         (x,) = op.inputs
@@ -310,7 +374,7 @@ class _Sharder:
         shape = list(op.attrs["shape"])
         if self.L(x) == SPLIT(1) and x.type.rank == 2 and len(shape) == 3 and isinstance(shape[1], int):
             self._need(shape[1], f"heads of reshape %{op.outputs[0].name}")
-            shape[1] //= self.R
+            shape[1] //= self.T
             self.copy_op(op, [self.act(x)], {"shape": tuple(shape)}, layouts=[SPLIT(1)])
             return
         self._op_default(op)
@@ -330,7 +394,7 @@ class _Sharder:
 
     def _op_l2_norm(self, op: Op) -> None:
         (x,) = op.inputs
-        if self.L(x) == SPLIT(1) and (x.type.shape[1] // self.R) % op.attrs["head_dim"] == 0:
+        if self.L(x) == SPLIT(1) and (x.type.shape[1] // self.T) % op.attrs["head_dim"] == 0:
             self.copy_op(op, [self.act(x)], layouts=[SPLIT(1)])
         else:
             self._op_default(op)
@@ -342,7 +406,7 @@ class _Sharder:
         h, d = op.attrs["heads"], op.attrs["head_dim"]
         n = h if op.attrs["a_log_broadcast"] == "head" else h * d
         na = self.param(a_log, 0, n if n != a_log.type.shape[0] else 0)
-        self.copy_op(op, [self.act(f), na, self.param(dt, 0)], {**op.attrs, "heads": h // self.R},
+        self.copy_op(op, [self.act(f), na, self.param(dt, 0)], {**op.attrs, "heads": h // self.T},
                      layouts=[SPLIT(1)])
 
     def _op_kda_recurrent(self, op: Op) -> None:
@@ -350,7 +414,7 @@ class _Sharder:
         if not self._heads_split(op, acts):
             return self._op_default(op)
         self.copy_op(op, [*map(self.act, acts), self.param(st, 1)],
-                     {**op.attrs, "heads": op.attrs["heads"] // self.R}, layouts=[SPLIT(1), SPLIT(1)])
+                     {**op.attrs, "heads": op.attrs["heads"] // self.T}, layouts=[SPLIT(1), SPLIT(1)])
 
     def _op_gated_rms_norm(self, op: Op) -> None:
         x, gate, w = op.inputs
@@ -370,7 +434,7 @@ class _Sharder:
                 new_in.append(self.act(v))
             else:
                 new_in.append(self.to(self.act(v), FULL))   # the latent cache and pos: replicated
-        self.copy_op(op, new_in, {**op.attrs, "heads": op.attrs["heads"] // self.R}, layouts=[SPLIT(1)])
+        self.copy_op(op, new_in, {**op.attrs, "heads": op.attrs["heads"] // self.T}, layouts=[SPLIT(1)])
 
     def _op_mla_attention_naive(self, op):
         self._mla(op, op.inputs[:2], op.inputs[3])
@@ -386,7 +450,7 @@ class _Sharder:
 
     def _op_rope(self, op: Op) -> None:
         x, pos = op.inputs
-        if self.L(x) == SPLIT(1) and (x.type.shape[1] // self.R) % op.attrs["head_dim"] == 0:
+        if self.L(x) == SPLIT(1) and (x.type.shape[1] // self.T) % op.attrs["head_dim"] == 0:
             self.copy_op(op, [self.act(x), self.to(self.act(pos), FULL)], layouts=[SPLIT(1)])
         else:
             self._op_default(op)
@@ -404,32 +468,40 @@ class _Sharder:
         if self.L(q) == SPLIT(1) and self.L(kc) == SPLIT(2) and self.L(vc) == SPLIT(2):
             self._need(op.attrs["heads"], f"heads of attention %{op.outputs[0].name}")
             self._need(op.attrs["kv_heads"], f"kv_heads of attention %{op.outputs[0].name}")
-            at = {**op.attrs, "heads": op.attrs["heads"] // self.R, "kv_heads": op.attrs["kv_heads"] // self.R}
+            at = {**op.attrs, "heads": op.attrs["heads"] // self.T, "kv_heads": op.attrs["kv_heads"] // self.T}
             self.copy_op(op, [self.act(q), self.act(kc), self.act(vc), self.to(self.act(pos), FULL)], at,
                          layouts=[SPLIT(1)])
         else:
             self._op_default(op)
 
-    # MoE: tokens and the router are replicated; each rank runs its E/R experts on every token
-    # (rows of other ranks' experts stay zero), so the combined latent is a PARTIAL sum.
+    # MoE: tokens and the router are replicated; each rank runs the E/ep experts of its EP group
+    # index on every token (rows of other ranks' experts stay zero), so the combined latent is a
+    # sum over the EP group. ep == 1: the experts run replicated.
+    def _ep_attrs(self, op: Op) -> dict:
+        return {**op.attrs, "ep_ranks": self.E, "ep_stride": self.es}
+
     def _op_moe_gate_up(self, op: Op) -> None:
         x, ids, w1, w3 = op.inputs
-        self._need(w1.type.shape[0], f"experts of %{op.outputs[0].name}")
-        self.copy_op(op, [self.to(self.act(x), FULL), self.to(self.act(ids), FULL), self.param(w1, 0),
-                          self.param(w3, 0)], {**op.attrs, "ep_ranks": self.R}, layouts=[EP])
+        if self.E == 1:
+            return self._op_default(op)
+        self._need(w1.type.shape[0], f"experts of %{op.outputs[0].name}", self.E)
+        self.copy_op(op, [self.to(self.act(x), FULL), self.to(self.act(ids), FULL), self.param(w1, 0, expert=True),
+                          self.param(w3, 0, expert=True)], self._ep_attrs(op), layouts=[EP])
 
     def _op_moe_down(self, op: Op) -> None:
         h, ids, w2 = op.inputs
-        self._need(w2.type.shape[0], f"experts of %{op.outputs[0].name}")
+        if self.E == 1:
+            return self._op_default(op)
+        self._need(w2.type.shape[0], f"experts of %{op.outputs[0].name}", self.E)
         if self.L(h) != EP:
             raise ShardError(f"shard: moe_down %{op.outputs[0].name} needs its input from an expert-parallel moe_gate_up")
-        self.copy_op(op, [self.act(h), self.to(self.act(ids), FULL), self.param(w2, 0)],
-                     {**op.attrs, "ep_ranks": self.R}, layouts=[EP])
+        self.copy_op(op, [self.act(h), self.to(self.act(ids), FULL), self.param(w2, 0, expert=True)],
+                     self._ep_attrs(op), layouts=[EP])
 
     def _op_moe_combine(self, op: Op) -> None:
         y, w = op.inputs
-        if self.L(y) == EP:      # linear in y: a weighted sum of PARTIAL rows stays PARTIAL
-            self.copy_op(op, [self.act(y), self.to(self.act(w), FULL)], layouts=[PARTIAL])
+        if self.L(y) == EP:      # linear in y: a weighted sum of EP rows is a sum over the EP group
+            self.copy_op(op, [self.act(y), self.to(self.act(w), FULL)], layouts=[self.pep])
         else:
             self._op_default(op)
 

@@ -21,7 +21,7 @@ from fusec.config import Options
 from fusec.ir.parser import parse_fir, parse_fir_file
 from fusec.ir.printer import print_graph
 from fusec.ir.types import DType, Kind
-from fusec.passes.manager import PassError, Program, run_pipeline
+from fusec.passes.manager import Program, run_pipeline
 from fusec.weights import random_weights
 
 CASES = Path(__file__).parent / "passes"
@@ -140,9 +140,14 @@ def test_fusion_groups_have_one_anchor_and_are_contiguous():
     assert groups and set(groups) == set(prog.notes["fusion_groups"])
 
 
-def test_shard_refuses_indivisible_heads():
-    with pytest.raises(PassError, match=r"kda_gate %decay has 4 heads, which 3 ranks cannot split"):
-        _run("shard_kda", ["shard"], ranks=3)
+def test_shard_indivisible_heads_use_replica_groups():
+    """4 heads on 6 ranks: tp = 2 (3 replica groups of 2, stride 3), not a refusal."""
+    prog = _run("shard_kda", ["shard"], ranks=6)
+    assert prog.notes["shard"] == {"ranks": 6, "tp": 2, "ep": 1}
+    g = prog.graph
+    assert g.param_attrs["l.self_attn.o_proj.weight"] == {"split": (1,), "ranks": 2, "stride": 3}
+    assert g.value("l.kda.recurrent_state").type.shape == ("B", 2, 16, 16)
+    check_same_numerics(parse_fir_file(CASES / "shard_kda.fir"), parse_fir(print_graph(g)), 6, {"B": 3})
 
 
 def test_shard_r1_is_identity():
@@ -210,11 +215,17 @@ def test_llama_tiny_graph_pipeline(ranks):
                         rules=getattr(llama, "WEIGHT_INIT", ()))
 
 
-def test_llama_tiny_refuses_more_ranks_than_kv_heads():
+def test_llama_tiny_more_ranks_than_kv_heads_replicates():
+    """2 KV heads on 4 ranks: two replica groups of tp = 2 (KV heads are split, never copied)."""
     llama = pytest.importorskip("fusec.models.llama")
-    prog = Program(llama.build_graph("tiny"), Options(ranks=4))
-    with pytest.raises(PassError, match="has 2 kv heads, which 4 ranks cannot split"):
-        run_pipeline(prog, ["canonicalize", "fuse", "shard"])
+    g = llama.build_graph("tiny")
+    prog = Program(g.copy(), Options(ranks=4))
+    run_pipeline(prog, ["canonicalize", "fuse", "shard"])
+    assert prog.notes["shard"]["tp"] == 2
+    assert all(op.attrs["ranks"] == 2 and op.attrs["stride"] == 2
+               for op in prog.graph.ops if op.opname in ("all_reduce", "all_gather"))
+    check_same_numerics(g, parse_fir(print_graph(prog.graph)), 4, {"B": 2, "L": 8},
+                        rules=getattr(llama, "WEIGHT_INIT", ()))
 
 
 def test_graph_passes_are_idempotent():

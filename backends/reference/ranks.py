@@ -10,12 +10,16 @@ Parameter annotations (printed after a param's type, see docs/passes.md):
                          whole on every rank)
   split_len = [n, ...]   optional, one per source: only the first n entries of the split dim are
                          divided (K3's A_log stores 128 floats of which the first `heads` are used)
-  ranks   = R            how many ranks the split is over
+  ranks   = g            how many ranks the split is over (the size of the parameter's group)
+  stride  = s            optional (default 1): the group's spacing; g * s = R, and rank r holds
+                         slice r // s (its index in its group, see fusec/ir/ops/comm.py), so the
+                         R / g groups (replicas) hold the same slices
 `materialize_weights` and `shard_state` apply them; a checkpoint loader does the same.
 
 `run_step_ranks` evaluates ops in program order on every rank in lockstep: a non-collective op
 runs its registry reference once per rank (with `as_rank(r)` so rank-dependent ops see their
-rank), a collective op is evaluated across all ranks' operands at once.
+rank), a collective op is evaluated across all ranks' operands at once, group by group
+(attrs `ranks` = group size and `stride`, see fusec/ir/ops/comm.py).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing import Mapping
 import torch
 
 from fusec.ir.graph import Graph
-from fusec.ir.ops.comm import as_rank
+from fusec.ir.ops.comm import as_rank, group_index, group_members
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.registry import Trait
 from fusec.ir.types import Kind
@@ -48,14 +52,15 @@ def _cat0(parts):
     return torch.cat(parts, 0)
 
 
-def _slice_for_rank(t, dim: int, length: int, rank: int, ranks: int, what: str):
+def _slice_for_rank(t, dim: int, length: int, index: int, ranks: int, what: str):
+    """Slice `index` of `ranks` equal slices of dim `dim` (its first `length` entries if > 0)."""
     if dim < 0 or ranks == 1:
         return t
     n = length or t.shape[dim]
     if n % ranks:
         raise ExecError(f"{what}: dim {dim} of length {n} does not split over {ranks} ranks")
     step = n // ranks
-    return _narrow(t, dim, rank * step, step)
+    return _narrow(t, dim, index * step, step)
 
 
 def param_for_rank(graph: Graph, name: str, full: Mapping, rank: int):
@@ -65,13 +70,14 @@ def param_for_rank(graph: Graph, name: str, full: Mapping, rank: int):
     splits = list(ann.get("split", (-1,) * len(sources)))
     lens = list(ann.get("split_len", (0,) * len(sources)))
     ranks = int(ann.get("ranks", 1))
+    index = group_index(rank, ranks, int(ann.get("stride", 1)))
     if not (len(splits) == len(sources) == len(lens)):
         raise ExecError(f"parameter {name}: sources, split and split_len must have one entry per source")
     parts = []
     for src, d, n in zip(sources, splits, lens):
         if src not in full:
             raise ExecError(f"parameter {name}: missing full tensor {src}")
-        parts.append(_slice_for_rank(full[src], d, n, rank, ranks, f"parameter {name} source {src}"))
+        parts.append(_slice_for_rank(full[src], d, n, index, ranks, f"parameter {name} source {src}"))
     return _cat0(parts)
 
 
@@ -87,22 +93,55 @@ def shard_state(graph: Graph, full_state: Mapping, rank: int) -> dict:
 
 
 def gather_state(graph: Graph, per_rank: list[dict]) -> dict:
-    """Inverse of `shard_state` for split (not merged) states: the full state after a step."""
+    """Inverse of `shard_state` for split (not merged) states: the full state after a step, read
+    off rank 0's group (the other groups are replicas; `replica_mismatch` checks they agree)."""
     out = {}
     for v in graph.states():
         ann = graph.param_attrs.get(v.name, {})
         d = list(ann.get("split", (-1,)))[0]
-        out[v.name] = per_rank[0][v.name] if d < 0 or len(per_rank) == 1 else \
-            torch.cat([s[v.name] for s in per_rank], d)
+        members = group_members(0, int(ann.get("ranks", 1)), int(ann.get("stride", 1)))
+        out[v.name] = per_rank[0][v.name] if d < 0 or len(members) == 1 else \
+            torch.cat([per_rank[r][v.name] for r in members], d)
     return out
+
+
+def replica_mismatch(graph: Graph, per_rank: list[dict]) -> list[str]:
+    """Names of the states whose replicas differ: ranks holding the same slice (the same index in
+    their groups; every rank for a replicated state) must hold bit-identical tensors."""
+    bad = []
+    for v in graph.states():
+        ann = graph.param_attrs.get(v.name, {})
+        size, stride = int(ann.get("ranks", 1)), int(ann.get("stride", 1))
+        if ann.get("split") is None:
+            size, stride = 1, len(per_rank)      # replicated: every rank holds the same tensor
+        first: dict[int, torch.Tensor] = {}
+        for r, st in enumerate(per_rank):
+            i = group_index(r, size, stride)
+            if i in first and not torch.equal(first[i], st[v.name]):
+                bad.append(v.name)
+                break
+            first.setdefault(i, st[v.name])
+    return bad
 
 
 # -- collectives across ranks ---------------------------------------------------------------------
 def _collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.Tensor]:
-    """Per-rank results of one collective given every rank's operand."""
+    """Per-rank results of one collective given every rank's operand: evaluated in each group."""
+    R = len(xs)
+    g, s = attrs.get("ranks", R), attrs.get("stride", 1)
+    if g * s != R:
+        raise ExecError(f"{opname} is over groups of {g} ranks {s} apart but the executor runs {R} ranks")
+    out: list = [None] * R
+    for c in range(s):
+        members = group_members(c, g, s)
+        for r, y in zip(members, _group_collective(opname, [xs[r] for r in members], attrs)):
+            out[r] = y
+    return out
+
+
+def _group_collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.Tensor]:
+    """Results of one collective within one group (operands in group index order)."""
     r = len(xs)
-    if attrs.get("ranks", r) != r:
-        raise ExecError(f"{opname} is over {attrs['ranks']} ranks but the executor runs {r}")
     xs = [x.float() for x in xs]
     if opname == "all_reduce":
         s = torch.stack(xs).sum(0)
@@ -156,4 +195,7 @@ def run_step_ranks(graph: Graph, full_weights: Mapping, ranks: int, full_state: 
         for v in graph.states():
             new_states[r].setdefault(v.name, states[r][v.name])
     outputs = [[envs[r][v.name] for v in graph.outputs] for r in range(ranks)]
+    bad = replica_mismatch(graph, new_states)
+    if bad:     # replicas run the same ops on the same slices: a difference is a sharding bug
+        raise ExecError(f"replicas disagree on the new state of {', '.join(bad[:3])}")
     return outputs, gather_state(graph, new_states)

@@ -7,7 +7,7 @@ import torch
 from ..registry import Attr, AttrKind, Cost, OpDef, Trait, act, register
 from ..types import DType
 from ._util import f32, need, need_dim, need_dtype, need_rank
-from .comm import CURRENT_RANK
+from .comm import CURRENT_RANK, group_index
 from .core import situ_glu_math
 
 A = AttrKind
@@ -62,16 +62,17 @@ def _gate_up_infer(ts, at):
 
 
 def _local_ids(ids, n_local: int, at):
-    """Expert parallel (`ep_ranks` > 1): this rank holds experts [r*n_local, (r+1)*n_local); global
-    ids map to local rows, ids owned by other ranks to -1 (their rows stay zero here)."""
+    """Expert parallel (`ep_ranks` > 1): this rank holds experts [i*n_local, (i+1)*n_local), i its
+    index in its expert group (`ep_stride`, see ops/comm.py); global ids map to local rows, ids
+    owned by other ranks to -1 (their rows stay zero here)."""
     ids = ids.long()
     if at["ep_ranks"] == 1:
         return ids
-    local = ids - CURRENT_RANK.get() * n_local
+    local = ids - group_index(CURRENT_RANK.get(), at["ep_ranks"], at.get("ep_stride", 1)) * n_local
     return torch.where((local >= 0) & (local < n_local), local, torch.full_like(local, -1))
 
 
-EP = {"ep_ranks": Attr(A.int, 1)}
+EP = {"ep_ranks": Attr(A.int, 1), "ep_stride": Attr(A.int, 1)}
 
 
 def _gate_up_ref(a, at):
