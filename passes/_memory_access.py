@@ -111,7 +111,7 @@ class BufferMap:
         return buf, ver
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)       # ~10^5-10^6 of them on a full model: slots save time
 class Acc:
     task: Task
     idx: int
@@ -123,6 +123,8 @@ class Acc:
     is_input: bool     # an io step input: present before the step
     needs_producer: bool  # must be written in this step (not a state's previous value)
     copy: int = 0      # the rank whose copy of the task runs it (symmetric mode); else task.rank
+    memo: tuple | None = None   # loads: the writers entry of (rank, buf, box, version), once looked up
+    uid: int = 0       # the task instance: copy * tasks + id (unique in both modes)
 
     @property
     def instr(self):
@@ -155,17 +157,22 @@ class Access:
         self.loads: list[Acc] = []
         self.stores: dict[tuple[int, str], list[Acc]] = defaultdict(list)   # explicit: (rank, buf)
         self._base: dict[str, list[Acc]] = defaultdict(list)                # symmetric: buf -> rank 0's
+        LOAD, STORE, weight = InstrKind.LOAD, InstrKind.STORE, Kind.weight
+        root, kinds = self.bm.root, self.bm.kind
         for t in s.tasks:
             vcs = hb.vc.get(t.id)
             if vcs is None:
                 continue
             for k, i in enumerate(t.instrs):
-                if i.kind not in (InstrKind.LOAD, InstrKind.STORE) or vcs[k] is None:
+                if (i.kind is not LOAD and i.kind is not STORE) or vcs[k] is None:
                     continue
-                buf, ver = self.bm.access(t, i.region.tensor, i.kind is InstrKind.STORE)
-                kind = self.bm.kind[buf]
+                if i.kind is LOAD and not i.addressed_by and kinds.get(root[i.region.tensor][0]) is weight:
+                    continue    # a plain weight read: no rule looks at it (V3 needs the addressed ones)
+                buf, ver = self.bm.access(t, i.region.tensor, i.kind is STORE)
+                kind = kinds[buf]
                 a = Acc(t, k, i.region, t.rank if i.region.rank is None else i.region.rank, buf, ver, kind,
-                        buf in self.bm.inputs and ver == 0, ver > 0 or kind in (Kind.act, Kind.comm), t.rank)
+                        buf in self.bm.inputs and ver == 0, ver > 0 or kind in (Kind.act, Kind.comm), t.rank,
+                        None, t.rank * self.n + t.id)
                 if i.kind is InstrKind.LOAD:
                     self.loads.append(a)
                 elif hb.sym:
@@ -183,8 +190,9 @@ class Access:
         got = self.stores.get(key)
         if got is None:
             R = self.s.ranks
-            got = self.stores[key] = [replace(a, rank=rank, copy=(rank - a.rank) % R) if rank else
-                                      replace(a, rank=0, copy=(-a.rank) % R) for a in self._base.get(buf, ())]
+            got = self.stores[key] = [replace(a, rank=rank, copy=(rank - a.rank) % R,
+                                              uid=(rank - a.rank) % R * self.n + a.task.id)
+                                      for a in self._base.get(buf, ())]
         return got
 
     def store_lists(self):
@@ -200,11 +208,13 @@ class Access:
     def name(self, a: Acc) -> str:
         return str(self.tid(a))
 
-    def inst(self, a: Acc) -> tuple[int, int]:
-        return (a.task.id, a.copy)
+    @staticmethod
+    def inst(a: Acc) -> int:
+        return a.uid
 
-    def same_instance(self, a: Acc, b: Acc) -> bool:
-        return a.task.id == b.task.id and a.copy == b.copy
+    @staticmethod
+    def same_instance(a: Acc, b: Acc) -> bool:
+        return a.uid == b.uid
 
     def _overlapping(self, rank: int, buf: str, box) -> list[Acc]:
         """Stores of (rank, buf) whose box overlaps `box`, via an index sorted on the dim the
@@ -238,8 +248,10 @@ class Access:
     def writers(self, ld: Acc):
         """(stores of the version read, stores of later versions) overlapping the load, other
         than the load's own task (its earlier stores of a later version do count)."""
-        key = (ld.rank, ld.buf, ld.region.box, ld.version)
-        hit = self._memo.get(key)
+        hit = ld.memo
+        if hit is None:
+            key = (ld.rank, ld.buf, ld.region.box, ld.version)
+            hit = self._memo.get(key)
         if hit is None:
             same, later = [], []
             for st in self._overlapping(ld.rank, ld.buf, ld.region.box):
@@ -250,17 +262,18 @@ class Access:
                 c = self.hb.cidx(st.task.id, st.copy, ld.copy)
                 req[c] = max(req[c], p)
             vol = sum(_inter(st.region.box, ld.region.box) for st in same)
-            hit = self._memo[key] = (same, later, {self.inst(st) for st in same + later}, req, vol)
+            hit = self._memo[key] = (same, later, {st.uid for st in same + later}, req, vol)
+        ld.memo = hit
         same, later, tids, _, _ = hit
-        own = self.inst(ld)
+        own = ld.uid
         if own not in tids:
             return same, later
-        return ([st for st in same if self.inst(st) != own],
-                [st for st in later if self.inst(st) != own or st.idx < ld.idx])
+        return ([st for st in same if st.uid != own],
+                [st for st in later if st.uid != own or st.idx < ld.idx])
 
     def all_before(self, ld: Acc) -> bool:
         """Fast path: every same-version producer of the load happens before it."""
-        _, _, _, req, _ = self._memo[(ld.rank, ld.buf, ld.region.box, ld.version)]
+        _, _, _, req, _ = ld.memo
         return bool((self.hb.vc[ld.task.id][ld.idx] >= req).all())
 
     def store_before_load(self, st: Acc, ld: Acc) -> bool:
@@ -270,8 +283,8 @@ class Access:
 
     def covered(self, ld: Acc) -> bool:
         """Do the same-version stores (other tasks', or this task's before the load) cover it?"""
-        same, _, tids, _, vol = self._memo[(ld.rank, ld.buf, ld.region.box, ld.version)]
-        if self.inst(ld) in tids:
+        same, _, tids, _, vol = ld.memo
+        if ld.uid in tids:
             vol -= sum(_inter(st.region.box, ld.region.box) for st in same
                        if self.same_instance(st, ld) and st.idx > ld.idx)
         return vol >= _vol(ld.region.box)
