@@ -55,7 +55,7 @@ from fusec.ir.registry import Trait
 from fusec.ir.types import Kind
 from fusec.passes.manager import Program, register_pass
 
-COL, ROW, REP = "col", "row", "rep"
+COL, ROW, REP, VOCAB = "col", "row", "rep", "vocab"
 LINEAR_PLAN: list[tuple[str, str]] = [
     ("*.routed_expert_up_proj.weight", ROW),   # input is the (normalised) full latent; shares the
     ("*.routed_expert_down_proj.weight", REP),  # shared expert's all_reduce. Latent: every rank
@@ -64,14 +64,20 @@ LINEAR_PLAN: list[tuple[str, str]] = [
     ("*.g_proj.weight", COL), ("*.b_proj.weight", COL), ("*.f_b_proj.weight", COL),
     ("*.q_b_proj.weight", COL), ("*.gate_proj.weight", COL), ("*.up_proj.weight", COL),
     ("*.o_proj.weight", ROW), ("*.down_proj.weight", ROW),
-    ("lm_head.weight", COL),
+    ("lm_head.weight", VOCAB),    # column-parallel over the largest divisor of R dividing the vocab
 ]
-FULL, PARTIAL, EP, PARTIAL_EP = ("full",), ("partial",), ("ep",), ("partial_ep",)
+FULL, EP = ("full",), ("ep",)
 MOE_OPS = ("moe_gate_up", "moe_down")
 
 
-def SPLIT(d: int):
-    return ("split", d)
+def SPLIT(d: int, parts: int):
+    """dim d split over the group of `parts` ranks (groups are fixed by their size, see comm.py)."""
+    return ("split", d, parts)
+
+
+def PARTIAL(parts: int):
+    """the sum over the group of `parts` ranks of what each member holds."""
+    return ("partial", parts)
 
 
 class ShardError(ValueError):
@@ -91,11 +97,11 @@ def run(prog: Program) -> bool:
             graph = _Sharder(prog, R, tp, ep).run()
             break
         except ShardError as e:     # a split dim plan_degrees does not know about: a smaller tp
-            smaller = [d for d in _divisors(R) if d < tp]
-            if not smaller:
+            if tp == 1:
                 raise
-            log(prog.opts, "fusion", f"shard: tp = {tp} fails ({e}); trying tp = {smaller[-1]}")
-            tp = smaller[-1]
+            smaller = plan_degrees(prog.graph, R, below=tp)[0]
+            log(prog.opts, "fusion", f"shard: tp = {tp} fails ({e}); trying tp = {smaller}")
+            tp = smaller
     prog.graph = graph
     log(prog.opts, "fusion", f"shard: R = {R}: tp = {tp} ({R // tp} replica groups), ep = {ep}")
     _split_cut_groups(prog)
@@ -108,8 +114,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_degrees(g: Graph, R: int) -> tuple[int, int]:
-    """(tp, ep): the largest divisor of R dividing every dim the TP plan splits, and gcd(R, E)."""
+def plan_degrees(g: Graph, R: int, below: int = 0) -> tuple[int, int]:
+    """(tp, ep): the largest divisor of R dividing every head count and every column-parallel
+    part of a merged projection (they feed the head-split mixers), and gcd(R, E). Plain linears
+    whose width tp does not divide use a subgroup of the TP group (`_op_linear`). `below`: the
+    largest such tp < below (a retry after a split that only the sharder found impossible)."""
     dims: list[int] = []
     experts: list[int] = []
     users = g.users()
@@ -120,15 +129,11 @@ def plan_degrees(g: Graph, R: int) -> tuple[int, int]:
         if op.opname in MOE_OPS:
             experts.append(op.inputs[-1].type.shape[0])
         if op.opname == "linear":
-            w = op.inputs[1]
-            sources = g.param_attrs.get(w.name, {}).get("sources")
+            sources = g.param_attrs.get(op.inputs[1].name, {}).get("sources")
             if sources:
                 dims += [n for src, n in zip(sources, _source_rows(users, op)) if linear_plan(src) == COL]
-            elif linear_plan(w.name) == COL:
-                dims.append(w.type.shape[0])
-            elif linear_plan(w.name) == ROW:
-                dims.append(w.type.shape[1])
-    tp = max(d for d in _divisors(R) if all(isinstance(n, int) and n % d == 0 for n in dims))
+    tp = max(d for d in _divisors(R) if (not below or d < below)
+             and all(isinstance(n, int) and n % d == 0 for n in dims))
     ep = math.gcd(R, *experts) if experts else 1
     return tp, ep
 
@@ -151,8 +156,6 @@ class _Sharder:
         self.prog, self.R, self.src = prog, R, prog.graph
         self.T, self.ts = tp, R // tp          # TP group: size and stride
         self.E, self.es = ep, R // ep          # EP group: size and stride
-        # a combine of EP rows sums over the EP group: the same layout as PARTIAL when the groups agree
-        self.pep = PARTIAL if ep == tp else PARTIAL_EP
         self.users = prog.graph.users()
         self.g = Graph(self.src.name, self.src.dims)
         self.m: dict[str, Value] = {}          # old value name -> new value
@@ -181,11 +184,12 @@ class _Sharder:
         return self.g
 
     # -- parameters -------------------------------------------------------------------------------
-    def _declare(self, v: Value, shape, ann: dict, expert: bool = False) -> Value:
+    def _declare(self, v: Value, shape, ann: dict, parts: int = 0) -> Value:
         nv = self.g.param(v.name, v.type.with_shape(shape))
         src_ann = dict(self.src.param_attrs.get(v.name, {}))
         if ann:
-            size, stride = (self.E, self.es) if expert else (self.T, self.ts)
+            size = parts or self.T
+            stride = self.R // size
             src_ann.update(ann)
             src_ann["ranks"] = size
             if stride > 1:
@@ -197,9 +201,13 @@ class _Sharder:
         self.param_done.add(v.name)
         return nv
 
-    def param(self, v: Value, dim: int = -1, split_len: int = 0, expert: bool = False) -> Value:
-        """The new param for old param v, split along `dim` (-1: whole) on first use, over the TP
-        group (over the EP group if `expert`)."""
+    def split(self, d: int, parts: int = 0) -> tuple:
+        """Layout: dim d split over the group of `parts` ranks (default: the TP group)."""
+        return SPLIT(d, parts or self.T)
+
+    def param(self, v: Value, dim: int = -1, split_len: int = 0, parts: int = 0) -> Value:
+        """The new param for old param v, split along `dim` (-1: whole) on first use over the
+        group of `parts` ranks (default: the TP group)."""
         if v.name in self.param_done:
             nv = self.m[v.name]
             want = self._split_of(v.name)
@@ -210,7 +218,7 @@ class _Sharder:
             return self._declare(v, v.type.shape, {})
         shape = list(v.type.shape)
         n = split_len or shape[dim]
-        parts = self.E if expert else self.T
+        parts = parts or self.T
         self._need(n, f"dim {dim} of %{v.name}", parts)
         shape[dim] = n // parts
         n_src = len(self.src.param_attrs.get(v.name, {}).get("sources", (v.name,)))
@@ -219,8 +227,8 @@ class _Sharder:
         ann = {"split": (dim,)}
         if split_len:
             ann["split_len"] = (split_len,)
-        nv = self._declare(v, shape, ann, expert)
-        self.lay[nv.name] = SPLIT(dim)
+        nv = self._declare(v, shape, ann, parts)
+        self.lay[nv.name] = self.split(dim, parts)
         return nv
 
     def _split_of(self, name: str):
@@ -233,10 +241,9 @@ class _Sharder:
             raise ShardError(f"shard: cannot split {what} ({n}) over {parts} ranks: {parts} must divide it")
 
     def _group(self, lay: tuple) -> dict:
-        """Collective attrs of the group a layout lives on."""
-        if lay in (EP, PARTIAL_EP):
-            return {"ranks": self.E, "stride": self.es}
-        return {"ranks": self.T, "stride": self.ts}
+        """Collective attrs of the group a layout lives on (groups are fixed by their size)."""
+        size = self.E if lay == EP else lay[-1]
+        return {"ranks": size, "stride": self.R // size}
 
     # -- emitting ---------------------------------------------------------------------------------
     def emit(self, opname: str, inputs: list[Value], attrs: dict, names: list[str] | None = None,
@@ -258,23 +265,23 @@ class _Sharder:
 
     def to(self, v: Value, want: tuple) -> Value:
         have = self.lay[v.name]
-        if have == want or (want == self.pep and have == EP):
+        if have == want or (want == PARTIAL(self.E) and have == EP):
             return v
         key = (v.name, want)
         if key in self.conv:
             return self.conv[key]
-        sums = (PARTIAL, EP, PARTIAL_EP)
-        if have in sums and want == FULL:
+        sums = have == EP or have[0] == "partial"
+        if sums and want == FULL:
             out = self.emit("all_reduce", [v], self._group(have))[0]
-        elif have in sums and want[0] == "split":
-            if self._group(have) != self._group(want):     # EP sums live on another group
+        elif sums and want[0] == "split":
+            if self._group(have) != self._group(want):     # a sum over another group: via FULL
                 return self.to(self.to(v, FULL), want)
-            self._need(v.type.shape[want[1]], f"dim {want[1]} of %{v.name}")
+            self._need(v.type.shape[want[1]], f"dim {want[1]} of %{v.name}", want[-1])
             out = self.emit("reduce_scatter", [v], {**self._group(have), "dim": want[1]})[0]
         elif have[0] == "split" and want == FULL:
             out = self.emit("all_gather", [v], {**self._group(have), "dim": have[1]})[0]
         elif have == FULL and want[0] == "split":
-            self._need(v.type.shape[want[1]], f"dim {want[1]} of %{v.name}")
+            self._need(v.type.shape[want[1]], f"dim {want[1]} of %{v.name}", want[-1])
             out = self.emit("rank_slice", [v], {**self._group(want), "dim": want[1]}, group=self.group)[0]
         elif have[0] == "split" and want[0] == "split":
             return self.to(self.to(v, FULL), want)
@@ -307,8 +314,8 @@ class _Sharder:
         lays = {self.L(v) for v in op.inputs}
         if len(lays) == 1:
             (lay,) = lays
-            if lay[0] == "split" or lay == FULL or (allow_partial and lay in (PARTIAL, EP, PARTIAL_EP)):
-                lay = self.pep if lay == EP else lay
+            if lay[0] == "split" or lay == FULL or (allow_partial and (lay == EP or lay[0] == "partial")):
+                lay = PARTIAL(self.E) if lay == EP else lay
                 self.copy_op(op, [self.act(v) for v in op.inputs], layouts=[lay] * len(op.outputs))
                 return
         self._op_default(op)
@@ -324,14 +331,20 @@ class _Sharder:
         sources = self.src.param_attrs.get(w.name, {}).get("sources")
         if sources:
             return self._merged_linear(op, list(sources))
-        plan = linear_plan(w.name) if self.T > 1 else REP
-        if plan == COL:
-            self._need(w.type.shape[0], f"output dim of %{w.name} ({op.outputs[0].name})")
-            self.copy_op(op, [self.to(self.act(x), FULL), self.param(w, 0)], layouts=[SPLIT(x.type.rank - 1)])
+        plan = linear_plan(w.name)
+        n = w.type.shape[1 if plan == ROW else 0]
+        # the TP group, or its largest subgroup that divides the width (the vocab: any divisor of R)
+        t = max(d for d in _divisors(self.R if plan == VOCAB else self.T) if n % d == 0)
+        if t < self.T and plan in (COL, ROW):
+            log(self.prog.opts, "fusion", f"shard: %{w.name} ({n}) split {t}-way, not tp = {self.T}")
+        if t == 1:
+            plan = REP
+        if plan in (COL, VOCAB):
+            self.copy_op(op, [self.to(self.act(x), FULL), self.param(w, 0, parts=t)],
+                         layouts=[self.split(x.type.rank - 1, t)])
         elif plan == ROW:
-            self._need(w.type.shape[1], f"input dim of %{w.name} ({op.outputs[0].name})")
-            xs = self.to(self.act(x), SPLIT(x.type.rank - 1))
-            self.copy_op(op, [xs, self.param(w, 1)], layouts=[PARTIAL])
+            xs = self.to(self.act(x), self.split(x.type.rank - 1, t))
+            self.copy_op(op, [xs, self.param(w, 1, parts=t)], layouts=[PARTIAL(t)])
         else:
             self.copy_op(op, [self.to(self.act(x), FULL), self.param(w)], layouts=[FULL])
 
@@ -347,7 +360,7 @@ class _Sharder:
             if p == COL:
                 self._need(n, f"output dim of %{s} in merged %{w.name}")
             ln = n // self.T if p == COL else n
-            parts.append((start, start + n, SPLIT(x.type.rank - 1) if p == COL else FULL, lstart, lstart + ln))
+            parts.append((start, start + n, self.split(x.type.rank - 1) if p == COL else FULL, lstart, lstart + ln))
             plans.append(0 if p == COL else -1)
             start, lstart = start + n, lstart + ln
         nw = self._declare(w, (lstart, w.type.shape[1]), {"split": tuple(plans)})   # keeps `sources`
@@ -372,30 +385,30 @@ class _Sharder:
     def _op_reshape(self, op: Op) -> None:
         (x,) = op.inputs
         shape = list(op.attrs["shape"])
-        if self.L(x) == SPLIT(1) and x.type.rank == 2 and len(shape) == 3 and isinstance(shape[1], int):
+        if self.L(x) == self.split(1) and x.type.rank == 2 and len(shape) == 3 and isinstance(shape[1], int):
             self._need(shape[1], f"heads of reshape %{op.outputs[0].name}")
             shape[1] //= self.T
-            self.copy_op(op, [self.act(x)], {"shape": tuple(shape)}, layouts=[SPLIT(1)])
+            self.copy_op(op, [self.act(x)], {"shape": tuple(shape)}, layouts=[self.split(1)])
             return
         self._op_default(op)
 
     def _heads_split(self, op: Op, acts: list[Value], heads_attr: str = "heads") -> bool:
-        if all(self.L(v) == SPLIT(1) for v in acts):
+        if all(self.L(v) == self.split(1) for v in acts):
             self._need(op.attrs[heads_attr], f"{heads_attr} of {op.opname} %{op.outputs[0].name}")
             return True
         return False
 
     def _op_conv_update(self, op: Op) -> None:
         x, st, w = op.inputs
-        if self.L(x) == SPLIT(1):
-            self.copy_op(op, [self.act(x), self.param(st, 1), self.param(w, 0)], layouts=[SPLIT(1), SPLIT(1)])
+        if self.L(x) == self.split(1):
+            self.copy_op(op, [self.act(x), self.param(st, 1), self.param(w, 0)], layouts=[self.split(1), self.split(1)])
         else:
             self._op_default(op)
 
     def _op_l2_norm(self, op: Op) -> None:
         (x,) = op.inputs
-        if self.L(x) == SPLIT(1) and (x.type.shape[1] // self.T) % op.attrs["head_dim"] == 0:
-            self.copy_op(op, [self.act(x)], layouts=[SPLIT(1)])
+        if self.L(x) == self.split(1) and (x.type.shape[1] // self.T) % op.attrs["head_dim"] == 0:
+            self.copy_op(op, [self.act(x)], layouts=[self.split(1)])
         else:
             self._op_default(op)
 
@@ -407,19 +420,19 @@ class _Sharder:
         n = h if op.attrs["a_log_broadcast"] == "head" else h * d
         na = self.param(a_log, 0, n if n != a_log.type.shape[0] else 0)
         self.copy_op(op, [self.act(f), na, self.param(dt, 0)], {**op.attrs, "heads": h // self.T},
-                     layouts=[SPLIT(1)])
+                     layouts=[self.split(1)])
 
     def _op_kda_recurrent(self, op: Op) -> None:
         *acts, st = op.inputs
         if not self._heads_split(op, acts):
             return self._op_default(op)
         self.copy_op(op, [*map(self.act, acts), self.param(st, 1)],
-                     {**op.attrs, "heads": op.attrs["heads"] // self.T}, layouts=[SPLIT(1), SPLIT(1)])
+                     {**op.attrs, "heads": op.attrs["heads"] // self.T}, layouts=[self.split(1), self.split(1)])
 
     def _op_gated_rms_norm(self, op: Op) -> None:
         x, gate, w = op.inputs
-        if self.L(x) == SPLIT(1) and self.L(gate) == SPLIT(1):
-            self.copy_op(op, [self.act(x), self.act(gate), self.param(w)], layouts=[SPLIT(1)])
+        if self.L(x) == self.split(1) and self.L(gate) == self.split(1):
+            self.copy_op(op, [self.act(x), self.act(gate), self.param(w)], layouts=[self.split(1)])
         else:
             self._op_default(op)
 
@@ -434,7 +447,7 @@ class _Sharder:
                 new_in.append(self.act(v))
             else:
                 new_in.append(self.to(self.act(v), FULL))   # the latent cache and pos: replicated
-        self.copy_op(op, new_in, {**op.attrs, "heads": op.attrs["heads"] // self.T}, layouts=[SPLIT(1)])
+        self.copy_op(op, new_in, {**op.attrs, "heads": op.attrs["heads"] // self.T}, layouts=[self.split(1)])
 
     def _op_mla_attention_naive(self, op):
         self._mla(op, op.inputs[:2], op.inputs[3])
@@ -450,27 +463,27 @@ class _Sharder:
 
     def _op_rope(self, op: Op) -> None:
         x, pos = op.inputs
-        if self.L(x) == SPLIT(1) and (x.type.shape[1] // self.T) % op.attrs["head_dim"] == 0:
-            self.copy_op(op, [self.act(x), self.to(self.act(pos), FULL)], layouts=[SPLIT(1)])
+        if self.L(x) == self.split(1) and (x.type.shape[1] // self.T) % op.attrs["head_dim"] == 0:
+            self.copy_op(op, [self.act(x), self.to(self.act(pos), FULL)], layouts=[self.split(1)])
         else:
             self._op_default(op)
 
     def _op_cache_append(self, op: Op) -> None:
         cache, row, pos = op.inputs
-        if self.L(row) == SPLIT(1):      # GQA caches: heads split like the k/v projections
+        if self.L(row) == self.split(1):      # GQA caches: heads split like the k/v projections
             self.copy_op(op, [self.param(cache, 2), self.act(row), self.to(self.act(pos), FULL)],
-                         layouts=[SPLIT(2)])
+                         layouts=[self.split(2)])
         else:
             self._op_default(op)
 
     def _op_attention(self, op: Op) -> None:
         q, kc, vc, pos = op.inputs
-        if self.L(q) == SPLIT(1) and self.L(kc) == SPLIT(2) and self.L(vc) == SPLIT(2):
+        if self.L(q) == self.split(1) and self.L(kc) == self.split(2) and self.L(vc) == self.split(2):
             self._need(op.attrs["heads"], f"heads of attention %{op.outputs[0].name}")
             self._need(op.attrs["kv_heads"], f"kv_heads of attention %{op.outputs[0].name}")
             at = {**op.attrs, "heads": op.attrs["heads"] // self.T, "kv_heads": op.attrs["kv_heads"] // self.T}
             self.copy_op(op, [self.act(q), self.act(kc), self.act(vc), self.to(self.act(pos), FULL)], at,
-                         layouts=[SPLIT(1)])
+                         layouts=[self.split(1)])
         else:
             self._op_default(op)
 
@@ -485,8 +498,8 @@ class _Sharder:
         if self.E == 1:
             return self._op_default(op)
         self._need(w1.type.shape[0], f"experts of %{op.outputs[0].name}", self.E)
-        self.copy_op(op, [self.to(self.act(x), FULL), self.to(self.act(ids), FULL), self.param(w1, 0, expert=True),
-                          self.param(w3, 0, expert=True)], self._ep_attrs(op), layouts=[EP])
+        self.copy_op(op, [self.to(self.act(x), FULL), self.to(self.act(ids), FULL), self.param(w1, 0, parts=self.E),
+                          self.param(w3, 0, parts=self.E)], self._ep_attrs(op), layouts=[EP])
 
     def _op_moe_down(self, op: Op) -> None:
         h, ids, w2 = op.inputs
@@ -495,13 +508,13 @@ class _Sharder:
         self._need(w2.type.shape[0], f"experts of %{op.outputs[0].name}", self.E)
         if self.L(h) != EP:
             raise ShardError(f"shard: moe_down %{op.outputs[0].name} needs its input from an expert-parallel moe_gate_up")
-        self.copy_op(op, [self.act(h), self.to(self.act(ids), FULL), self.param(w2, 0, expert=True)],
+        self.copy_op(op, [self.act(h), self.to(self.act(ids), FULL), self.param(w2, 0, parts=self.E)],
                      self._ep_attrs(op), layouts=[EP])
 
     def _op_moe_combine(self, op: Op) -> None:
         y, w = op.inputs
         if self.L(y) == EP:      # linear in y: a weighted sum of EP rows is a sum over the EP group
-            self.copy_op(op, [self.act(y), self.to(self.act(w), FULL)], layouts=[self.pep])
+            self.copy_op(op, [self.act(y), self.to(self.act(w), FULL)], layouts=[PARTIAL(self.E)])
         else:
             self._op_default(op)
 
