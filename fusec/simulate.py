@@ -5,14 +5,14 @@ overlap and schedule with the GPU's parameters (`fusec.cost.GPUS`: SMs, HBM band
 NVLink / network bandwidth and latency) and returns the list-scheduled step time of one rank
 (all ranks run the same replicated schedule) and tokens/s per user. Nothing is run on a GPU.
 
-The shard pass splits heads (96) and experts (896) evenly, so R must divide both; for another R
-(64, 72) the simulation uses the largest R' < R that does (32) and says so in `note`: the
-remaining GPUs would need another parallelism (data parallel replicas, or replicated heads),
-which fusec does not plan. Inputs and parameters are written down in docs/simulation.md.
+Every R is compiled as asked: the shard pass plans hybrid parallelism (passes/shard.py): the
+mixers run tp-way tensor parallel in R / tp replica groups (tp = the largest divisor of R
+dividing the 96 heads: 8 -> 8, 16 -> 16, 64 -> 32, 72 -> 24) and the experts ep-way expert
+parallel (ep = gcd(R, 896): 64 -> 64, 72 -> 8, replicated R / ep times). `tp` and `ep` are
+reported. Inputs and parameters are written down in docs/simulation.md.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from fusec.config import Options
@@ -25,8 +25,9 @@ PIPE = ["canonicalize", "fuse", "shard", "tile", "overlap", "schedule"]
 @dataclass
 class SimResult:
     gpu: str
-    ranks: int                # GPUs asked for
-    used_ranks: int           # GPUs the sharding plan can use (see module docstring)
+    ranks: int                # GPUs (every one is used)
+    tp: int                   # tensor-parallel degree of the mixers (R / tp replica groups)
+    ep: int                   # expert-parallel degree (experts replicated R / ep times)
     batch: int
     step_us: float            # predicted decode step (one token per sequence)
     roofline_us: float        # bytes one rank must move / HBM bandwidth
@@ -43,52 +44,41 @@ class SimResult:
         return self.batch * 1e6 / self.step_us
 
 
-def _feasible_ranks(g: Graph, ranks: int) -> int:
-    """Largest R' <= ranks dividing every head count and the expert count of the graph."""
-    counts = set()
-    for op in g.ops:
-        for k in ("heads", "experts"):
-            if isinstance(op.attrs.get(k), int):
-                counts.add(op.attrs[k])
-        if op.opname in ("moe_gate_up", "moe_down"):
-            counts.add(op.inputs[-1].type.shape[0])
-    for r in range(ranks, 0, -1):
-        if all(c % r == 0 for c in counts):
-            return r
-    return 1
-
-
 def simulate(model_graph: Graph, ranks: int, gpu: str = "h200", batch: int = 1,
              max_len: int = 4096) -> SimResult:
     from fusec.passes.manager import Program, run_pipeline
     spec = gpu_spec(gpu)
-    used = _feasible_ranks(model_graph, ranks)
-    note = "" if used == ranks else (f"shard splits 96 heads and 896 experts evenly: R={ranks} is not "
-                                     f"a divisor, simulated on R={used}")
-    opts = Options(ranks=used, batch=batch, max_len=max_len, sms=spec.sms, gpu=gpu, verify_each_pass=False)
+    opts = Options(ranks=ranks, batch=batch, max_len=max_len, sms=spec.sms, gpu=gpu, verify_each_pass=False)
     prog = Program(model_graph.copy(), opts)
     run_pipeline(prog, PIPE)
     s = prog.schedule
     st = graph_stats(prog.graph, opts.dims)
     coll = sum(1 for op in prog.graph.ops if op.opname in (
         "all_reduce", "reduce_scatter", "all_gather", "all_to_all_dispatch", "all_to_all_combine"))
-    return SimResult(gpu, ranks, used, batch, float(s.meta["predicted_step_us"]), st.roofline_us(spec),
-                     len(s.tasks), coll, note)
+    plan = prog.notes.get("shard", {"tp": 1, "ep": 1})
+    note = "" if plan["tp"] == ranks else f"{ranks // plan['tp']} replica groups of tp = {plan['tp']}"
+    return SimResult(gpu, ranks, plan["tp"], plan["ep"], batch, float(s.meta["predicted_step_us"]),
+                     st.roofline_us(spec), len(s.tasks), coll, note)
+
+
+def format_table(rows: list[SimResult]) -> str:
+    """The markdown table of docs/simulation.md."""
+    out = ["| GPU | R | tp | ep | batch | step (ms) | per-rank roofline (ms) | tok/s per user | tok/s total | collectives |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r.gpu} | {r.ranks} | {r.tp} | {r.ep} | {r.batch} | {r.step_us / 1e3:.2f} | "
+                   f"{r.roofline_us / 1e3:.2f} | {r.tokens_per_s_per_user:.0f} | {r.tokens_per_s:.0f} | "
+                   f"{r.collectives} |")
+    return "\n".join(out)
 
 
 def main() -> None:
-    """Print the table of docs/simulation.md (full K3, batch 1 and 8, R = 8, 16, 64, 72)."""
+    """Print the table of docs/simulation.md (full K3, batch 1 and 8, R = 1, 8, 16, 64, 72)."""
     from fusec.models import kimi_k3
     g = kimi_k3.build_graph("full")
-    print("| GPU | R asked | R used | batch | step (ms) | per-rank roofline (ms) | tok/s per user | tok/s total | collectives |")
-    print("|---|---|---|---|---|---|---|---|---|")
     for gpu in ("h200", "gb300"):
-        for ranks in (1, 8, 16, 64, 72):
-            for batch in (1, 8):
-                r = simulate(g, ranks, gpu, batch)
-                print(f"| {gpu} | {ranks} | {r.used_ranks} | {batch} | {r.step_us / 1e3:.2f} | "
-                      f"{r.roofline_us / 1e3:.2f} | {r.tokens_per_s_per_user:.0f} | {r.tokens_per_s:.0f} | "
-                      f"{r.collectives} |", flush=True)
+        rows = [simulate(g, ranks, gpu, batch) for ranks in (1, 8, 16, 64, 72) for batch in (1, 8)]
+        print(format_table(rows), flush=True)
 
 
 if __name__ == "__main__":
