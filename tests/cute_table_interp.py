@@ -16,7 +16,9 @@ import random
 import torch
 import torch.nn.functional as F
 
-from fusec.backends.cute.plan import NO_EVENT, EwOp, F32Flag, Opcode
+from fusec.backends.cute.plan import NO_EVENT, EwOp, ExpertMode, F32Flag, MlaMode, Opcode
+from fusec.ir.quant import MXFP4Tensor
+from fusec.ir.registry import get_op
 
 
 class Deadlock(RuntimeError):
@@ -40,7 +42,7 @@ class Interp:
         self.events = [0] * max(1, plan.num_events)
         self.step = 0
         self.typed = {torch.bfloat16: arena.view(torch.bfloat16), torch.float32: arena.view(torch.float32),
-                      torch.int32: arena.view(torch.int32)}
+                      torch.int32: arena.view(torch.int32), torch.uint8: arena}
 
     # -- memory -------------------------------------------------------------------------------
     def t(self, addr: int, dtype, shape, strides):
@@ -112,8 +114,107 @@ class Interp:
         elif op == Opcode.ARGMAX:
             x = self.mat(r.a0, r.n1, r.k, r.ldx, bool(r.p1 & F32Flag.A0))[r.n0:].float()
             self.t(r.a2, torch.int32, (r.n1,), (1,))[r.n0:] = x.argmax(-1).to(torch.int32)
+        elif op == Opcode.ROUTER:
+            lg = self.mat(r.a0, r.n1, r.k, r.ldx, bool(r.p1 & F32Flag.A0))[r.n0:]
+            bias = self.t(r.a1, torch.float32, (r.k,), (1,))
+            w, ids = get_op("router").ref([lg, bias], {"topk": r.p0, "scale": _f32_lo(r.aux)})
+            self.t(r.a2, torch.float32, (r.n1, r.p0), (r.ldy, 1))[r.n0:] = w
+            self.t(r.a3, torch.int32, (r.n1, r.p0), (r.ldy, 1))[r.n0:] = ids
+        elif op == Opcode.KDA:
+            h, d = r.p0, r.k
+            for item in range(r.n0, r.n1):
+                b, hh = divmod(item, h)
+                cs = slice(hh * d, (hh + 1) * d)
+                q, k, v = (self.mat(a, B, h * d, r.ldx)[b:b + 1, cs] for a in (r.a0, r.a1, r.a5))
+                g = self.mat(r.a6, B, h * d, r.ldx, True)[b:b + 1, cs]
+                bdt = torch.float32 if r.p1 & F32Flag.A0 else torch.bfloat16
+                beta = self.t(r.a4, bdt, (B, h), (h, 1))[b:b + 1, hh:hh + 1]
+                st = self.t(r.a3, torch.float32, (B, h, d, d), (h * d * d, d * d, d, 1))[b:b + 1, hh:hh + 1]
+                o, ns = get_op("kda_recurrent").ref([q, k, v, g, beta, st], {"heads": 1, "head_dim": d})
+                st.copy_(ns)
+                self.mat(r.a2, B, h * d, r.ldy, True)[b:b + 1, cs] = o
+        elif op == Opcode.ATTN_RES:
+            J, H = r.p1, r.k
+            for b in range(r.n0, r.n1):
+                src = [self.mat(r.a0 + 2 * j * r.p0, B, H, r.ldx)[b:b + 1] for j in range(J)]
+                nw = self.t(r.a1, torch.bfloat16, (H,), (1,))
+                pw = self.t(r.a5, torch.bfloat16, (1, H), (H, 1))
+                hmix = get_op("attn_res").ref([nw, pw, *src], {"eps": _f32_lo(r.aux)})[0].to(torch.bfloat16)
+                self.mat(r.a2, B, H, r.ldy)[b:b + 1] = hmix
+                gam = self.t(r.a6, torch.bfloat16, (H,), (1,))
+                y = get_op("rms_norm").ref([hmix, gam], {"eps": _f32_hi(r.aux), "out_dtype": ""})[0]
+                self.mat(r.a7, B, H, r.ldy)[b:b + 1] = y.to(torch.bfloat16)
+        elif op in (Opcode.EXPERT_BF16, Opcode.EXPERT_MXFP4):
+            self.expert(r, B, op == Opcode.EXPERT_MXFP4)
+        elif op == Opcode.MLA:
+            self.mla(r, B)
         else:
             raise NotImplementedError(f"interp: opcode {op.name}")
+
+    def weight_rows(self, a, s, mx, e, rows_per_expert, n0, n1, k):
+        """fp32 rows n0..n1 of expert e (bf16 [E*R, K] or MXFP4 packed [E*R, K/2] + scales)."""
+        r0, r1 = e * rows_per_expert + n0, e * rows_per_expert + n1
+        if not mx:
+            return self.mat(a, r1, k, k)[r0:r1].float()
+        packed = self.t(a, torch.uint8, (r1, k // 2), (k // 2, 1))[r0:r1]
+        scale = self.t(s, torch.uint8, (r1, k // 32), (k // 32, 1))[r0:r1]
+        return MXFP4Tensor(packed, scale).dequant()
+
+    def expert(self, r, B, mx):
+        topk = r.p1
+        ids = self.t(r.a4, torch.int32, (B, topk), (topk, 1))
+        if r.sub == ExpertMode.GLU:
+            x = self.mat(r.a1, B, r.k, r.ldx).float()
+            h = self.mat(r.a2, B, r.n1, r.ldy)
+            from fusec.ir.ops.core import situ_glu_math
+            for b in range(B):
+                e = int(ids[b, r.p0])
+                if e < 0:
+                    h[b, r.n0:r.n1] = 0
+                    continue
+                wg = self.weight_rows(r.a0, r.a3, mx, e, r.aux, r.n0, r.n1, r.k)
+                wu = self.weight_rows(r.a5, r.a6, mx, e, r.aux, r.n0, r.n1, r.k)
+                h[b, r.n0:r.n1] = situ_glu_math(wg @ x[b], wu @ x[b]).to(torch.bfloat16)
+        else:
+            rw = self.t(r.a7, torch.float32, (B, topk), (topk, 1))
+            out = self.mat(r.a2, B, r.n1, r.ldy, True)
+            for b in range(B):
+                acc = torch.zeros(r.n1 - r.n0)
+                for j in range(topk):
+                    e = int(ids[b, j])
+                    if e < 0:
+                        continue
+                    hv = self.t(r.a1 + 2 * (b * r.ldx + j * r.k), torch.bfloat16, (r.k,), (1,)).float()
+                    acc += rw[b, j] * (self.weight_rows(r.a0, r.a3, mx, e, r.aux, r.n0, r.n1, r.k) @ hv)
+                out[b, r.n0:r.n1] = acc
+
+    def mla(self, r, B):
+        """PARTIAL writes [o / l, m, l] per (chunk 0, batch, head) (one chunk); COMBINE merges."""
+        H, K, R, S = r.ldy, r.k, r.p2, r.p1
+        part = self.t(r.a2 if r.sub == MlaMode.PARTIAL else r.a0, torch.float32, (S, B, H, K + 2),
+                      (B * H * (K + 2), H * (K + 2), K + 2, 1))
+        if r.sub == MlaMode.PARTIAL:
+            assert S == 1, "interp: one chunk"
+            for i in range(r.n0, r.n1):
+                b = i % B
+                p = int(self.t(r.a4, torch.int32, (B,), (1,))[b])
+                ql = self.t(r.a0, torch.bfloat16, (B, H, K), (H * K, K, 1))[b].float()
+                qp = self.t(r.a1, torch.bfloat16, (B, H, R), (H * R, R, 1))[b].float()
+                c = self.t(r.a3, torch.bfloat16, (B, r.ldx, K + R), (r.ldx * (K + R), K + R, 1))[b, :p + 1].float()
+                sc = (ql @ c[:, :K].T + qp @ c[:, K:].T) * _f32_lo(r.aux)    # [H, rows]
+                m = sc.max(-1).values
+                e = torch.exp(sc - m[:, None])
+                l_ = e.sum(-1)
+                part[0, b, :, :K] = (e @ c[:, :K]) / l_[:, None]
+                part[0, b, :, K] = m
+                part[0, b, :, K + 1] = l_
+        else:
+            out = self.t(r.a2, torch.float32, (B * H, K), (K, 1))
+            flat = part.reshape(S, B * H, K + 2)
+            for i in range(r.n0, r.n1):
+                m = flat[:, i, K]
+                wgt = torch.exp(m - m.max()) * flat[:, i, K + 1]
+                out[i] = (wgt[:, None] * flat[:, i, :K]).sum(0) / wgt.sum()
 
     def ew(self, r, B) -> None:
         sub, fl = EwOp(r.sub), r.p1
@@ -142,6 +243,28 @@ class Interp:
                 y = (xs * cos + rot * sin).flatten(-2)
             elif sub == EwOp.COPY:
                 y = a[:, cols]
+            elif sub == EwOp.CONV:
+                W = r.p2
+                st = self.t(r.a1, torch.bfloat16 if not fl & F32Flag.A1 else torch.float32, (B, r.n1, W - 1),
+                            (r.p0, W - 1, 1))[:, cols]
+                w = self.t(r.a3, torch.float32 if fl & F32Flag.A3 else torch.bfloat16, (r.n1, 1, W), (W, W, 1))[cols]
+                y, ns = get_op("conv_update").ref([a[:, cols], st, w], {})
+                st.copy_(ns.to(st.dtype))
+            elif sub == EwOp.L2_NORM:
+                y = get_op("l2_norm").ref([a[:, cols]], {"head_dim": r.p2, "scale": _f32_lo(r.aux),
+                                                        "eps": _f32_hi(r.aux)})[0]
+            elif sub == EwOp.RMS:
+                w = self.t(r.a3, torch.float32 if fl & F32Flag.A3 else torch.bfloat16, (r.p2,), (1,))
+                y = get_op("rms_norm").ref([a[:, cols], w], {"eps": _f32_hi(r.aux), "out_dtype": ""})[0]
+            elif sub == EwOp.GATED_RMS:
+                g = self.mat(r.a1, B, r.n1, r.p0, bool(fl & F32Flag.A1))[:, cols]
+                w = self.t(r.a3, torch.float32 if fl & F32Flag.A3 else torch.bfloat16, (r.p2,), (1,))
+                y = get_op("gated_rms_norm").ref([a[:, cols], g, w], {"head_dim": r.p2, "eps": _f32_hi(r.aux)})[0]
+            elif sub == EwOp.KDA_GATE:
+                dtb = self.mat(r.a1, B, r.n1, 0, bool(fl & F32Flag.A1)).float()[:, cols]
+                alog = self.t(r.a3, torch.float32 if fl & F32Flag.A3 else torch.bfloat16, ((r.n1 - 1) // r.p2 + 1,), (1,))
+                idx = torch.arange(r.n0, r.n1) // r.p2
+                y = -5.0 * torch.sigmoid(torch.exp(alog.float()[idx]) * (a[:, cols] + dtb))
             elif sub == EwOp.SIGMOID:
                 y = torch.sigmoid(a[:, cols])
             else:
@@ -153,6 +276,9 @@ class Interp:
                     y = F.silu(x) * z
                 elif sub == EwOp.SIGMOID_MUL:
                     y = x * torch.sigmoid(z)
+                elif sub == EwOp.SITU_GLU:
+                    from fusec.ir.ops.core import situ_glu_math
+                    y = situ_glu_math(x, z)
                 else:
                     raise NotImplementedError(f"interp: EW {sub.name}")
         o = self.mat(r.a2, B, r.n1, r.ldy, bool(fl & F32Flag.OUT))

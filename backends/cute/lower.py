@@ -24,6 +24,7 @@ from fusec.ir.graph import Op
 from fusec.ir.schedule import InstrKind, Schedule, Task
 from fusec.ir.types import DType, Kind, TensorType
 
+from .lower_k3 import K3_OPS, K3Lowering
 from .memory import MemoryPlan, View, build_memory_plan
 from .plan import (H200_SMS, NO_EVENT, EwOp, F32Flag, KernelPlan, Opcode, TaskRow, f32_bits, f32_pair)
 
@@ -35,7 +36,7 @@ EW_BINARY = {"add": EwOp.ADD, "sigmoid_mul": EwOp.SIGMOID_MUL, "situ_glu": EwOp.
              "silu_mul": EwOp.SILU_MUL}
 EW_UNARY = {"sigmoid": EwOp.SIGMOID, "cast": EwOp.COPY}
 SUPPORTED = (set(VIEW_OPS) | set(EW_BINARY) | set(EW_UNARY)
-             | {"rms_norm", "linear", "rope", "cache_append", "attention", "embedding", "argmax"})
+             | {"rms_norm", "linear", "rope", "cache_append", "attention", "embedding", "argmax"} | K3_OPS)
 
 
 class LoweringError(ValueError):
@@ -53,7 +54,7 @@ class Lowered:
     queues: tuple[tuple[int, ...], ...]
     num_events: int
     batch: int
-    consts: dict  # region name -> ("rope_inv_freq", attrs) tables filled at bind time
+    consts: dict  # region name -> ("rope_inv_freq", attrs) | ("mla_uk_t", kv_b, attrs): see fill_consts
 
     def plan(self, base: int = 0, **kw) -> KernelPlan:
         rows = [dataclasses.replace(r, **{f: base + getattr(r, f) for f in fs})
@@ -147,9 +148,39 @@ def _rope_key(op: Op) -> str:
     return "const.rope_inv_freq." + "_".join(str(a.get(k)) for k in sorted(a))
 
 
-class _TaskLowering:
+def fill_consts(low: Lowered, bound, weights: dict) -> None:
+    """Write the attribute tables and derived weight layouts into a bound arena.
+
+    `weights`: the lowered graph's weights (reference.ranks.materialize_weights)."""
+    from fusec.ir.ops.mixers import rope_inv_freq
+
+    for key, spec in low.consts.items():
+        if spec[0] == "rope_inv_freq":
+            bound.tensor(key).copy_(rope_inv_freq(spec[1]))
+        elif spec[0] == "mla_uk_t":   # W_UK^T per head: [H, kv_lora, nope] from kv_b [H*(nope+v), kv_lora]
+            at = spec[2]
+            h, nope, vd = int(at["heads"]), int(at["nope"]), int(at["v_dim"])
+            w = weights[spec[1]].reshape(h, nope + vd, -1)[:, :nope]
+            bound.tensor(key).copy_(w.transpose(1, 2))
+        else:
+            raise LoweringError(f"cute lowering: unknown constant kind {spec[0]}")
+
+
+def bind_weights(low: Lowered, bound, weights: dict) -> None:
+    """Copy the lowered graph's weights (MXFP4: packed and scale regions) and constants."""
+    for name, w in weights.items():
+        if hasattr(w, "packed"):
+            bound.tensor(name).copy_(w.packed)
+            bound.tensor(name + ".scale").copy_(w.scale)
+        else:
+            bound.tensor(name).copy_(w.to(bound.tensor(name).dtype))
+    fill_consts(low, bound, weights)
+
+
+class _TaskLowering(K3Lowering):
     def __init__(self, schedule: Schedule, mem: MemoryPlan, consts: dict):
-        self.s, self.mem = schedule, mem
+        self.s, self.mem, self.consts = schedule, mem, consts
+        self.done: set[str] = set()   # values a fused row already produced (rms_norm after attn_res)
         self.ops = {op.outputs[0].name: op for op in schedule.graph.ops}
         self.events = {e.id: e for e in schedule.events}
         self.B = int(schedule.dims["B"])
@@ -198,7 +229,8 @@ class _TaskLowering:
                 continue
             c = self._cols(op, cols, t)
             cols[out] = c
-            rows += self._op_rows(t, op, c, anchor, redirect)
+            if out not in self.done:
+                rows += self._op_rows(t, op, c, anchor, redirect)
         return rows
 
     def _cols(self, op: Op, cols: dict, t: Task) -> tuple[int, int]:
@@ -223,9 +255,17 @@ class _TaskLowering:
         if kind == "rms_norm":
             if anchor is not None and anchor.inputs[0].name == out:
                 redirect[out] = _scratch_name(t, out)
+            if view(ins[0]).dtype is DType.f32:   # RMSNORM streams bf16: fp32 input -> EW RMS (one head)
+                x, o, gm = view(ins[0]), view(out), view(ins[1])
+                k = x.shape[-1]
+                return [(TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a2=off(out), a3=off(ins[1]), n0=0, n1=k,
+                                 ldx=x.row_stride, ldy=o.row_stride, sub=EwOp.RMS, p2=k,
+                                 p1=self._flags(a=x, o=o) | (int(F32Flag.A3) if gm.dtype is DType.f32 else 0),
+                                 aux=f32_pair(1.0, float(op.attrs.get("eps", 1e-5)))), ("a0", "a2", "a3"))]
+            pre = []
             self._need_bf16(op, [ins[0], ins[1], out], redirect)
             x, o = view(ins[0]), view(out)
-            return [(TaskRow(Opcode.RMSNORM, t.id, a0=off(ins[0]), a1=off(ins[1]), a2=off(out),
+            return pre + [(TaskRow(Opcode.RMSNORM, t.id, a0=off(ins[0]), a1=off(ins[1]), a2=off(out),
                              n0=0, n1=self.B, k=x.shape[-1], ldx=x.row_stride, ldy=o.row_stride,
                              aux=f32_bits(float(op.attrs.get("eps", 1e-5)))), ("a0", "a1", "a2"))]
         if kind == "linear":
@@ -292,7 +332,28 @@ class _TaskLowering:
             return [(TaskRow(Opcode.ARGMAX, t.id, a0=off(ins[0]), a2=off(out), n0=b0, n1=b1,
                              k=x.shape[-1], ldx=x.row_stride,
                              p1=int(F32Flag.A0) if x.dtype is DType.f32 else 0), ("a0", "a2"))]
-        raise LoweringError(f"cute lowering: no megakernel task body for op '{kind}' (%{out})")
+        return self.k3_rows(t, op, cols, anchor, redirect)
+
+    # -- helpers shared with lower_k3 --------------------------------------------------------
+    def error(self, msg: str) -> LoweringError:
+        return LoweringError("cute lowering: " + msg)
+
+    def _scratch(self, name: str, dtype: DType, shape) -> str:
+        if name not in self.mem.regions:
+            self.mem.alloc(name, dtype, shape, Kind.act)
+        return name
+
+    def _const(self, key: str, spec: tuple, dtype: DType, shape) -> str:
+        if key not in self.mem.regions:
+            self.mem.alloc(key, dtype, shape, Kind.weight)
+            self.consts[key] = spec
+        return key
+
+    def _copy_rows(self, t: Task, src: int, sv: View, dst: int, width: int, ddt: DType, ldy: int, ldx=None):
+        """EW COPY of `width` columns of every batch row from src (view sv) to dst (dtype ddt)."""
+        fl = (int(F32Flag.A0) if sv.dtype is DType.f32 else 0) | (int(F32Flag.OUT) if ddt is DType.f32 else 0)
+        return [(TaskRow(Opcode.EW, t.id, a0=src, a2=dst, n0=0, n1=width, ldx=sv.row_stride if ldx is None else ldx,
+                         ldy=ldy, sub=EwOp.COPY, p1=fl), ("a0", "a2"))]
 
     def _need_bf16(self, op: Op, names, redirect) -> None:
         for n in names:

@@ -132,7 +132,12 @@ def build_memory_plan(graph: Graph, dims: dict, scratch: dict[str, TensorType] |
     """Place every parameter, op result and scratch tensor of `graph` (see module docstring)."""
     mp = MemoryPlan()
     for v in graph.params:
-        mp.alloc(v.name, v.type.dtype, v.type.concrete(dims), v.type.kind)
+        shape = v.type.concrete(dims)
+        if v.type.dtype is DType.mxfp4:  # packed E2M1 pairs + e8m0 scales per 32 (ir.quant.MXFP4Tensor)
+            mp.alloc(v.name, DType.u8, (*shape[:-1], shape[-1] // 2), v.type.kind)
+            mp.alloc(v.name + ".scale", DType.u8, (*shape[:-1], shape[-1] // 32), v.type.kind)
+            continue
+        mp.alloc(v.name, v.type.dtype, shape, v.type.kind)
     for op in graph.ops:
         d = get_op(op.opname)
         for ri, out in enumerate(op.outputs):

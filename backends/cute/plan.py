@@ -130,7 +130,7 @@ class Opcode(enum.IntEnum):
                (H = P0, head dim D = K, D divides threads, D <= 128): state S fp32 [B, H, D, D]
                at A3 updated in place, S <- diag(exp g) S; u = v - k^T S; S += beta k u^T;
                o = q^T S. q = A0, k = A1, v = A5 (bf16 [B, LDX]), g = A6 fp32 [B, LDX],
-               beta = A4 bf16 [B, H], o = A2 fp32 [B, LDY].
+               beta = A4 bf16 [B, H] (fp32 when P1 has F32Flag.A0), o = A2 fp32 [B, LDY].
     ATTN_RES   attn_res mix fused with the next rms_norm, one CTA per batch row b in N0..N1:
                sources j < P1 (<= ATTN_RES_MAX_SOURCES) at A0 + j * P0 elements, rows [B, LDX]
                bf16 of width K; key = norm_w (A1) * proj_w (A5); softmax_j(rms(V_j) . key),
@@ -196,10 +196,11 @@ class EwOp(enum.IntEnum):
     GATHER = 11      # out[b, c] = table (A0)[ids[b], c]; ids = A3 int32 [B], LDX = table row
                      # stride (read after the wait, V3)                          [embedding]
     COPY = 12        # a converted to the out dtype                              [cast]
+    RMS = 13         # per head of P2: rms(a) * A3[c % P2] (rms_norm of an fp32 input) [rms_norm]
 
 
 # EW sub-opcodes handled one warp per head (a reduction), the rest one thread per element.
-EW_PER_HEAD = (EwOp.L2_NORM, EwOp.GATED_RMS)
+EW_PER_HEAD = (EwOp.L2_NORM, EwOp.GATED_RMS, EwOp.RMS)
 
 
 class F32Flag(enum.IntFlag):
@@ -348,7 +349,9 @@ class KernelPlan:
                             Opcode.ATTENTION, Opcode.ARGMAX):
                 continue  # scalar loads: no vector alignment rules
             vec = VEC_MXFP4 if t.opcode in (Opcode.GEMV_MXFP4, Opcode.EXPERT_MXFP4) else VEC_BF16
-            if t.opcode != Opcode.NOP and (t.k % vec or t.n1 < t.n0 or t.ldx % 8 or t.ldy % 8):
+            # GEMV_BF16 stores scalars, so its output rows need no 16-byte stride.
+            ldy_vec = t.ldy % 8 if t.opcode != Opcode.GEMV_BF16 else 0
+            if t.opcode != Opcode.NOP and (t.k % vec or t.n1 < t.n0 or t.ldx % 8 or ldy_vec):
                 raise ValueError(f"task {t.task_id}: K={t.k} must be a multiple of {vec}, "
                                  f"LDX={t.ldx} and LDY={t.ldy} of 8 (16-byte rows), N0 <= N1")
 

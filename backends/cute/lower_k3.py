@@ -1,0 +1,246 @@
+"""Lowering of the Kimi K3 ops onto the existing task bodies (mixin of lower._TaskLowering).
+
+Each method returns [(TaskRow, address fields)] for one op of one task, like lower._op_rows.
+Layout adaptations the bodies need are made here with per-task scratch (never shared values):
+  attn_res        its sources are copied (EW COPY) into a [J, B, H] stack, then ATTN_RES (fused
+                  with the task's rms_norm); the body wants equally strided sources
+  kda_recurrent   one KDA row per batch row (items b * H + h are contiguous only within a row);
+                  fp32 beta flagged in P1
+  moe_gate_up     the schedule tiles (batch row, slot); the EXPERT body covers every batch row
+                  of its slot, so the b0 = 0 tile of each slot does the work, the others keep
+                  only their waits/signal (no duplicate writes)
+  moe_down        EXPERT DOWN fuses moe_down with moe_combine (weighted fp32 sum): moe_down tasks
+                  keep their waits/signal only, the moe_combine op runs the fused body into
+                  per-task scratch (its consumers wait on moe_down's event, so order holds)
+  rms_norm of fp32  (lower.py) EW RMS, one head of the full width (RMSNORM streams bf16)
+  mla_q_absorb    per-head GEMV over W_UK^T, a transposed copy of kv_b's key rows built at bind
+                  time (const "mla_uk_t")
+  mla_v_up        fp32 o_lat -> bf16 scratch, then one GEMV per head over kv_b's value rows
+  mla_attention   q_pe copied to contiguous scratch; MLA PARTIAL (one chunk) then COMBINE
+  concat          EW COPY of each part at its column offset
+"""
+from __future__ import annotations
+
+from fusec.ir.types import DType
+
+from .plan import EwOp, ExpertMode, F32Flag, MlaMode, Opcode, TaskRow, f32_pair
+
+EW_K3 = ("conv_update", "l2_norm", "kda_gate", "gated_rms_norm")
+K3_OPS = set(EW_K3) | {"attn_res", "router", "kda_recurrent", "moe_gate_up", "moe_down", "moe_combine",
+                       "mla_q_absorb", "mla_v_up", "mla_attention", "concat"}
+
+
+def _ew(t, sub, a=0, b=0, out=0, c=0, **kw):
+    return TaskRow(Opcode.EW, t.id, a0=a, a1=b, a2=out, a3=c, sub=sub, **kw)
+
+
+class K3Lowering:
+    """Needs from the host class: s, mem, B, _v, _off, _flags, _scratch, _copy_rows."""
+
+    def k3_rows(self, t, op, cols, anchor, redirect):
+        kind, out = op.opname, op.outputs[0].name
+        ins = [v.name for v in op.inputs]
+        off = lambda n: self._off(n, redirect)  # noqa: E731
+        view = lambda n: self._v(n, redirect)   # noqa: E731
+        at = op.attrs
+        if kind in EW_K3:
+            if cols[1] <= cols[0]:
+                return []
+            a, o = view(ins[0]), view(out)
+            if kind == "conv_update":
+                st, w = view(ins[1]), view(ins[2])
+                fl = self._flags(a=a, b=st, o=o) | (int(F32Flag.A3) if w.dtype is DType.f32 else 0)
+                return [(_ew(t, EwOp.CONV, off(ins[0]), off(ins[1]), off(out), off(ins[2]), n0=cols[0],
+                             n1=cols[1], ldx=a.row_stride, ldy=o.row_stride, p0=st.strides[0], p1=fl,
+                             p2=w.shape[-1]), ("a0", "a1", "a2", "a3"))]
+            if kind == "l2_norm":
+                self._heads_aligned(op, cols, int(at["head_dim"]))
+                return [(_ew(t, EwOp.L2_NORM, off(ins[0]), 0, off(out), n0=cols[0], n1=cols[1],
+                             ldx=a.row_stride, ldy=o.row_stride, p1=self._flags(a=a, o=o),
+                             p2=int(at["head_dim"]), aux=f32_pair(float(at.get("scale", 1.0)),
+                                                                  float(at.get("eps", 1e-6)))), ("a0", "a2"))]
+            if kind == "kda_gate":
+                if at.get("a_log_broadcast", "head") != "head":
+                    raise self.error(f"kda_gate %{out}: only a per-head A_log is supported")
+                alog, dtb = view(ins[1]), view(ins[2])
+                fl = (self._flags(a=a, b=dtb, o=o) | (int(F32Flag.A3) if alog.dtype is DType.f32 else 0))
+                return [(_ew(t, EwOp.KDA_GATE, off(ins[0]), off(ins[2]), off(out), off(ins[1]), n0=cols[0],
+                             n1=cols[1], ldx=a.row_stride, ldy=o.row_stride, p0=0, p1=fl,
+                             p2=int(at["head_dim"])), ("a0", "a1", "a2", "a3"))]
+            # gated_rms_norm(x, gate, w)
+            self._heads_aligned(op, cols, int(at["head_dim"]))
+            g, w = view(ins[1]), view(ins[2])
+            fl = self._flags(a=a, b=g, o=o) | (int(F32Flag.A3) if w.dtype is DType.f32 else 0)
+            return [(_ew(t, EwOp.GATED_RMS, off(ins[0]), off(ins[1]), off(out), off(ins[2]), n0=cols[0],
+                         n1=cols[1], ldx=a.row_stride, ldy=o.row_stride, p0=g.row_stride, p1=fl,
+                         p2=int(at["head_dim"]), aux=f32_pair(1.0, float(at.get("eps", 1e-5)))),
+                     ("a0", "a1", "a2", "a3"))]
+        if kind == "router":
+            lg, w, ids = view(ins[0]), view(out), view(op.outputs[1].name)
+            if w.row_stride != ids.row_stride:
+                raise self.error(f"router %{out}: weights and ids need one row stride")
+            return [(TaskRow(Opcode.ROUTER, t.id, a0=off(ins[0]), a1=off(ins[1]), a2=off(out),
+                             a3=off(op.outputs[1].name), n0=b, n1=b + 1, k=lg.shape[-1], ldx=lg.row_stride,
+                             ldy=ids.row_stride, p0=int(at["topk"]),
+                             p1=int(F32Flag.A0) if lg.dtype is DType.f32 else 0,
+                             aux=f32_pair(float(at.get("scale", 1.0)))), ("a0", "a1", "a2", "a3"))
+                    for b in range(self.B)]
+        if kind == "kda_recurrent":
+            q, k, v, g, beta, state = ins
+            h, d = int(at["heads"]), int(at["head_dim"])
+            h0, h1 = cols[0] // d, -(-cols[1] // d)
+            rows = []
+            bv = view(beta)
+            if bv.row_stride != h:
+                raise self.error(f"kda_recurrent %{out}: beta rows must be contiguous [B, H]")
+            for vv in (q, k, v, g):
+                if view(vv).row_stride != view(q).row_stride:
+                    raise self.error(f"kda_recurrent %{out}: q, k, v, g need one row stride")
+            for b in range(self.B):
+                rows.append((TaskRow(Opcode.KDA, t.id, a0=off(q), a1=off(k), a5=off(v), a6=off(g),
+                                     a4=off(beta), a3=off(state), a2=off(out),
+                                     n0=b * h + h0, n1=b * h + h1, k=d, ldx=view(q).row_stride,
+                                     ldy=view(out).row_stride, p0=h,
+                                     p1=int(F32Flag.A0) if bv.dtype is DType.f32 else 0),
+                             ("a0", "a1", "a2", "a3", "a4", "a5", "a6")))
+            return rows
+        if kind == "attn_res":
+            return self._attn_res(t, op, redirect)
+        if kind == "moe_gate_up":
+            x, ids, w1, w3 = ins
+            (b0, _), (j0, j1) = t.tile[0], t.tile[1]
+            if b0 != 0:
+                return []   # the b0 = 0 tile of this slot covers every batch row (module docstring)
+            hv, w1v = view(out), self.mem.regions[w1]
+            mx = w1v.dtype is DType.u8
+            inter, topk = hv.shape[2], hv.shape[1]
+            c0, c1 = t.tile[2]
+            return [(TaskRow(Opcode.EXPERT_MXFP4 if mx else Opcode.EXPERT_BF16, t.id, a0=off(w1), a1=off(x),
+                             a2=off(out) + 2 * j * inter, a3=self.mem.byte_offset(w1 + ".scale") if mx else 0,
+                             a4=off(ids), a5=off(w3), a6=self.mem.byte_offset(w3 + ".scale") if mx else 0,
+                             n0=c0, n1=c1, k=view(x).shape[-1], ldx=view(x).row_stride, ldy=hv.strides[0],
+                             aux=inter, sub=ExpertMode.GLU, p0=j, p1=topk),
+                     ("a0", "a1", "a2", "a3", "a4", "a5", "a6") if mx else ("a0", "a1", "a2", "a4", "a5"))
+                    for j in range(j0, j1)]
+        if kind == "moe_down":
+            return []       # fused into moe_combine (module docstring)
+        if kind == "moe_combine":
+            return self._moe_combine(t, op, redirect)
+        if kind == "concat":
+            if int(at.get("dim", -1)) not in (-1, len(view(out).shape) - 1):
+                raise self.error(f"concat %{out}: only the last dim")
+            rows, col = [], 0
+            o = view(out)
+            for n in ins:
+                a = view(n)
+                w = a.shape[-1]
+                rows.append((_ew(t, EwOp.COPY, off(n), 0, off(out) + col * _isz(o.dtype), n0=0, n1=w,
+                                 ldx=a.row_stride, ldy=o.row_stride, p1=self._flags(a=a, o=o)), ("a0", "a2")))
+                col += w
+            return rows
+        if kind == "mla_q_absorb":
+            qn, kvb = ins
+            h, nope, lora = int(at["heads"]), int(at["nope"]), int(at["kv_lora"])
+            key = f"const.mla_uk_t.{kvb}"
+            self._const(key, ("mla_uk_t", kvb, dict(at)), DType.bf16, (h, lora, nope))
+            qv, o = view(qn), view(out)
+            return [(TaskRow(Opcode.GEMV_BF16, t.id, a0=self.mem.byte_offset(key) + 2 * hh * lora * nope,
+                             a1=off(qn) + 2 * hh * qv.strides[1], a2=off(out) + 2 * hh * o.strides[1],
+                             n0=0, n1=lora, k=nope, ldx=qv.strides[0], ldy=o.strides[0]), ("a0", "a1", "a2"))
+                    for hh in range(h)]
+        if kind == "mla_v_up":
+            ol, kvb = ins
+            h, nope, lora, vd = (int(at[k]) for k in ("heads", "nope", "kv_lora", "v_dim"))
+            olv, o = view(ol), view(out)
+            rows, xname = [], ol
+            if olv.dtype is not DType.bf16:
+                xname = self._scratch(f"scratch.t{t.id}.{ol}.bf16", DType.bf16, (self.B, h * lora))
+                rows += self._copy_rows(t, off(ol), olv, self.mem.byte_offset(xname), h * lora, DType.bf16, h * lora)
+            xo = self.mem.byte_offset(xname)
+            for hh in range(h):
+                rows.append((TaskRow(Opcode.GEMV_BF16, t.id, a0=off(kvb) + 2 * (hh * (nope + vd) + nope) * lora,
+                                     a1=xo + 2 * hh * lora, a2=off(out) + 2 * hh * vd, n0=0, n1=vd, k=lora,
+                                     ldx=h * lora, ldy=o.row_stride), ("a0", "a1", "a2")))
+            return rows
+        if kind == "mla_attention":
+            return self._mla(t, op, redirect)
+        raise self.error(f"no megakernel task body for op '{kind}' (%{out})")
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _heads_aligned(self, op, cols, d):
+        if cols[0] % d or cols[1] % d:
+            raise self.error(f"{op.opname} %{op.outputs[0].name}: tile {cols} splits a head of {d}")
+
+    def _attn_res(self, t, op, redirect):
+        off = lambda n: self._off(n, redirect)  # noqa: E731
+        names = set(t.ops)
+        norm = next((o for o in self.s.graph.ops if o.opname == "rms_norm" and o.outputs[0].name in names
+                     and o.inputs[0].name == op.outputs[0].name), None)
+        if norm is None:
+            raise self.error(f"attn_res %{op.outputs[0].name}: ATTN_RES needs the following rms_norm in its task")
+        srcs = [v.name for v in op.inputs[2:]]
+        hv = self._v(op.outputs[0].name, redirect)
+        H = hv.shape[-1]
+        stack = self._scratch(f"scratch.t{t.id}.{op.outputs[0].name}.stack", DType.bf16, (len(srcs), self.B, H))
+        base = self.mem.byte_offset(stack)
+        rows = []
+        for j, n in enumerate(srcs):
+            rows += self._copy_rows(t, off(n), self._v(n, redirect), base + 2 * j * self.B * H, H, DType.bf16, H)
+        y = norm.outputs[0].name
+        self.done.add(y)
+        if self._v(y, redirect).row_stride != hv.row_stride:
+            raise self.error(f"attn_res %{op.outputs[0].name}: mix and norm outputs need one row stride")
+        aux = f32_pair(float(op.attrs.get("eps", 1e-5)), float(norm.attrs.get("eps", 1e-5)))
+        for b in range(self.B):
+            rows.append((TaskRow(Opcode.ATTN_RES, t.id, a0=base, a1=off(op.inputs[0].name),
+                                 a5=off(op.inputs[1].name), a6=off(norm.inputs[1].name),
+                                 a2=off(op.outputs[0].name), a7=off(y), n0=b, n1=b + 1, k=H, ldx=H,
+                                 ldy=hv.row_stride, p0=self.B * H, p1=len(srcs), aux=aux),
+                         ("a0", "a1", "a2", "a5", "a6", "a7")))
+        return rows
+
+    def _moe_combine(self, t, op, redirect):
+        down, rw = (v.name for v in op.inputs)
+        dop = next(o for o in self.s.graph.ops if o.outputs[0].name == down)
+        if dop.opname != "moe_down":
+            raise self.error(f"moe_combine %{op.outputs[0].name}: input is not moe_down")
+        h, ids, w2 = (v.name for v in dop.inputs)
+        out = op.outputs[0].name
+        dst = self._scratch(f"scratch.t{t.id}.{out}", DType.f32, (self.B, self._v(out, redirect).shape[-1]))
+        redirect[out] = dst
+        hv, w2r = self._v(h, {}), self.mem.regions[w2]
+        mx = w2r.dtype is DType.u8
+        d = w2r.shape[1]
+        off = lambda n: self._off(n, {})  # noqa: E731
+        return [(TaskRow(Opcode.EXPERT_MXFP4 if mx else Opcode.EXPERT_BF16, t.id, a0=off(w2), a1=off(h),
+                         a2=self.mem.byte_offset(dst), a3=self.mem.byte_offset(w2 + ".scale") if mx else 0,
+                         a4=off(ids), a7=off(rw), n0=0, n1=d, k=hv.shape[-1], ldx=hv.strides[0], ldy=d, aux=d,
+                         sub=ExpertMode.DOWN, p1=hv.shape[1]),
+                 ("a0", "a1", "a2", "a3", "a4", "a7") if mx else ("a0", "a1", "a2", "a4", "a7"))]
+
+    def _mla(self, t, op, redirect):
+        ql, qpe, cache, pos = (v.name for v in op.inputs)
+        at = op.attrs
+        h, rope, lora = int(at["heads"]), int(at["rope"]), int(at["kv_lora"])
+        off = lambda n: self._off(n, redirect)  # noqa: E731
+        rows = []
+        qv = self._v(qpe, redirect)
+        qc = self._scratch(f"scratch.t{t.id}.{qpe}", DType.bf16, (self.B, h, rope))
+        for hh in range(h):
+            rows += self._copy_rows(t, off(qpe) + 2 * hh * qv.strides[1], qv, self.mem.byte_offset(qc) + 2 * hh * rope,
+                                    rope, DType.bf16, h * rope, ldx=qv.strides[0])
+        chunks = 1
+        part = self._scratch(f"scratch.t{t.id}.mla_partials", DType.f32, (chunks, self.B, h, lora + 2))
+        cv = self._v(cache, redirect)
+        common = dict(k=lora, ldx=cv.shape[1], ldy=h, p0=self.B * h, p1=chunks, p2=rope,
+                      aux=f32_pair(float(at["scale"])))
+        rows.append((TaskRow(Opcode.MLA, t.id, a0=off(ql), a1=self.mem.byte_offset(qc), a3=off(cache), a4=off(pos),
+                             a2=self.mem.byte_offset(part), n0=0, n1=chunks * self.B, sub=MlaMode.PARTIAL, **common),
+                     ("a0", "a1", "a2", "a3", "a4")))
+        rows.append((TaskRow(Opcode.MLA, t.id, a0=self.mem.byte_offset(part), a2=off(op.outputs[0].name), n0=0,
+                             n1=self.B * h, sub=MlaMode.COMBINE, **common), ("a0", "a2")))
+        return rows
+
+
+def _isz(dt: DType) -> int:
+    return {DType.bf16: 2, DType.f32: 4, DType.i32: 4}[dt]
