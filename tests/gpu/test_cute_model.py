@@ -14,18 +14,20 @@ pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl==4.8.1 not instal
 import fusec  # noqa: E402
 from fusec.backends.cute.plan import NO_EVENT  # noqa: E402
 from fusec.backends.cute.runtime import Megakernel, MegakernelTimeout  # noqa: E402
-from fusec.models import llama  # noqa: E402
+from fusec.models import kimi_k3, llama  # noqa: E402
 
 MODEL = llama.__file__
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_llama_tiny_steps_match_reference(batch):
-    cute = fusec.compile(MODEL, "tiny", backend="cute", batch=batch, max_len=16, device="cuda")
-    ref = fusec.compile(MODEL, "tiny", backend="reference", batch=batch, max_len=16, device="cuda")
+@pytest.mark.parametrize("model,batch,steps", [(llama, 1, 6), (llama, 4, 6), (kimi_k3, 1, 2)],
+                         ids=["llama-b1", "llama-b4", "k3-b1"])
+def test_tiny_steps_match_reference(model, batch, steps):
+    cute = fusec.compile(model.__file__, "tiny", backend="cute", batch=batch, max_len=16, device="cuda")
+    ref = fusec.compile(model.__file__, "tiny", backend="reference", batch=batch, max_len=16, device="cuda")
     gen = torch.Generator().manual_seed(batch)
-    for s in range(6):
-        tok = torch.randint(0, 1024, (batch,), generator=gen, dtype=torch.int32).cuda()
+    vocab = ref.graph.outputs[0].type.shape[-1]
+    for s in range(steps):
+        tok = torch.randint(0, vocab, (batch,), generator=gen, dtype=torch.int32).cuda()
         pos = torch.full((batch,), s, dtype=torch.int32, device="cuda")
         a, b = cute(tok, pos), ref(tok, pos)
         err = float((a.logits - b.logits).norm() / b.logits.norm())
