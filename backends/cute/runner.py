@@ -35,8 +35,7 @@ class CuteRunner:
         import torch
 
         from fusec.backends.reference.ranks import materialize_weights
-        from fusec.ir.ops.mixers import rope_inv_freq
-
+        from .lower import bind_weights
         from .runtime import Megakernel
 
         if precision != "bf16":
@@ -47,13 +46,8 @@ class CuteRunner:
         self.program, self.lowered = lower_graph(graph, int(dims["B"]), int(dims["L"]))
         g = self.program.graph
         self.mem = self.lowered.memory.bind(device)
-        w = materialize_weights(g, weights, 0, "bf16")
         with torch.no_grad():
-            for name, t in w.items():
-                self.mem.tensor(name).copy_(t.to(self.mem.tensor(name).dtype))
-            for key, (kind, attrs) in self.lowered.consts.items():
-                assert kind == "rope_inv_freq"
-                self.mem.tensor(key).copy_(rope_inv_freq(attrs))
+            bind_weights(self.lowered, self.mem, materialize_weights(g, weights, 0, "bf16"))
         self.state_names = [v.name for v in g.params if v.type.kind.value == "state"]
         self.out_names = [v.name for v in g.outputs]
         self.plan = self.lowered.plan(base=self.mem.base, **(plan_options or {}))
