@@ -33,6 +33,9 @@ def emit_collective(ctx: _Ctx, name: str, op: Op) -> list[Unit]:
     """Push unit (per peer offset d) + local reduce/gather unit; see passes/tile.py."""
     G, S = op.attrs["ranks"], op.attrs.get("stride", 1)    # group size, rank spacing
     R = G * S
+    if R != ctx.opts.ranks:
+        raise ValueError(f"tile: {op.opname} %{op.outputs[0].name} is over groups of {G} ranks {S} apart, "
+                         f"which do not cover the program's {ctx.opts.ranks} ranks")
     x, y = op.inputs[0], op.outputs[0]
     xs = ctx.shape[x.name]
     slot = f"{y.name}.slots"

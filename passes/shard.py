@@ -31,8 +31,9 @@ split E/ep per rank (`ep_ranks`, `ep_stride`), the combined latent is all-reduce
 before the latent RMSNorm, the latent up-projection is row-parallel and shares the shared
 expert's all-reduce, lm_head is vocab-parallel and its logits are all-gathered before argmax.
 
-Which linears are column/row parallel comes from `LINEAR_PLAN` (fnmatch on the weight's full
-name, first match wins; unmatched linears are replicated). Every other weight's slicing follows
+Which linears are column/row parallel comes from `LINEAR_PLAN` in passes/_shard_plan.py (fnmatch
+on the weight's full name, first match wins; unmatched linears are replicated), which also picks
+tp and ep (`plan_degrees`). Every other weight's slicing follows
 from the op that reads it. Each sharded parameter is annotated `{split = [...], ranks = g}` plus
 `stride = s` when s > 1 (and keeps canonicalize's `sources`) so a loader slices the full
 checkpoint tensor (rank r takes slice r // s) and the printed .fir re-parses. Replicated
@@ -46,28 +47,15 @@ Ensures:  R == 1: no change. R > 1: per-rank shapes; every graph output FULL; fu
 """
 from __future__ import annotations
 
-import fnmatch
-import math
-
 from fusec.config import log
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import Trait
 from fusec.ir.types import Kind
 from fusec.passes.manager import Program, register_pass
 
-COL, ROW, REP, VOCAB = "col", "row", "rep", "vocab"
-LINEAR_PLAN: list[tuple[str, str]] = [
-    ("*.routed_expert_up_proj.weight", ROW),   # input is the (normalised) full latent; shares the
-    ("*.routed_expert_down_proj.weight", REP),  # shared expert's all_reduce. Latent: every rank
-    ("*.q_a_proj.weight", REP), ("*.kv_a_proj_with_mqa.weight", REP), ("*.f_a_proj.weight", REP),
-    ("*.q_proj.weight", COL), ("*.k_proj.weight", COL), ("*.v_proj.weight", COL),
-    ("*.g_proj.weight", COL), ("*.b_proj.weight", COL), ("*.f_b_proj.weight", COL),
-    ("*.q_b_proj.weight", COL), ("*.gate_proj.weight", COL), ("*.up_proj.weight", COL),
-    ("*.o_proj.weight", ROW), ("*.down_proj.weight", ROW),
-    ("lm_head.weight", VOCAB),    # column-parallel over the largest divisor of R dividing the vocab
-]
+from ._shard_plan import COL, REP, ROW, VOCAB, ShardError, divisors, linear_plan, plan_degrees, source_rows
+
 FULL, EP = ("full",), ("ep",)
-MOE_OPS = ("moe_gate_up", "moe_down")
 
 
 def SPLIT(d: int, parts: int):
@@ -78,10 +66,6 @@ def SPLIT(d: int, parts: int):
 def PARTIAL(parts: int):
     """the sum over the group of `parts` ranks of what each member holds."""
     return ("partial", parts)
-
-
-class ShardError(ValueError):
-    pass
 
 
 @register_pass("shard")
@@ -108,47 +92,6 @@ def run(prog: Program) -> bool:
     prog.notes["ranks"] = R
     prog.notes["shard"] = {"ranks": R, "tp": tp, "ep": ep}
     return True
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def plan_degrees(g: Graph, R: int, below: int = 0) -> tuple[int, int]:
-    """(tp, ep): the largest divisor of R dividing every head count and every column-parallel
-    part of a merged projection (they feed the head-split mixers), and gcd(R, E). Plain linears
-    whose width tp does not divide use a subgroup of the TP group (`_op_linear`). `below`: the
-    largest such tp < below (a retry after a split that only the sharder found impossible)."""
-    dims: list[int] = []
-    experts: list[int] = []
-    users = g.users()
-    for op in g.ops:
-        for attr in ("heads", "kv_heads"):
-            if isinstance(op.attrs.get(attr), int):
-                dims.append(op.attrs[attr])
-        if op.opname in MOE_OPS:
-            experts.append(op.inputs[-1].type.shape[0])
-        if op.opname == "linear":
-            sources = g.param_attrs.get(op.inputs[1].name, {}).get("sources")
-            if sources:
-                dims += [n for src, n in zip(sources, _source_rows(users, op)) if linear_plan(src) == COL]
-    tp = max(d for d in _divisors(R) if (not below or d < below)
-             and all(isinstance(n, int) and n % d == 0 for n in dims))
-    ep = math.gcd(R, *experts) if experts else 1
-    return tp, ep
-
-
-def _source_rows(users_of: dict, op: Op) -> list[int]:
-    """Row counts of a merged weight's sources, read off canonicalize's slices of the output."""
-    users = users_of[op.outputs[0].name]
-    if not users or any(u.opname != "slice" for u in users):
-        raise ShardError(f"shard: merged linear %{op.outputs[0].name} must be read only through slices")
-    bounds = sorted({(u.attrs["start"], u.attrs["end"]) for u in users})
-    return [e - s for s, e in bounds]
-
-
-def linear_plan(weight_name: str) -> str:
-    return next((p for pat, p in LINEAR_PLAN if fnmatch.fnmatchcase(weight_name, pat)), REP)
 
 
 class _Sharder:
@@ -211,8 +154,9 @@ class _Sharder:
         if v.name in self.param_done:
             nv = self.m[v.name]
             want = self._split_of(v.name)
-            if want != (dim, split_len):
-                raise ShardError(f"shard: %{v.name} is read with two different splits {want} and {(dim, split_len)}")
+            got = (dim, split_len, (parts or self.T) if dim >= 0 else 1)
+            if want != got:
+                raise ShardError(f"shard: %{v.name} is read with two different splits {want} and {got}")
             return nv
         if dim < 0:
             return self._declare(v, v.type.shape, {})
@@ -233,7 +177,8 @@ class _Sharder:
 
     def _split_of(self, name: str):
         a = self.g.param_attrs.get(name, {})
-        return (a.get("split", (-1,))[0], a.get("split_len", (0,))[0])
+        d = a.get("split", (-1,))[0]
+        return (d, a.get("split_len", (0,))[0], a.get("ranks", 1) if d >= 0 else 1)
 
     def _need(self, n, what: str, parts: int = 0) -> None:
         parts = parts or self.T
@@ -334,7 +279,7 @@ class _Sharder:
         plan = linear_plan(w.name)
         n = w.type.shape[1 if plan == ROW else 0]
         # the TP group, or its largest subgroup that divides the width (the vocab: any divisor of R)
-        t = max(d for d in _divisors(self.R if plan == VOCAB else self.T) if n % d == 0)
+        t = max(d for d in divisors(self.R if plan == VOCAB else self.T) if n % d == 0)
         if t < self.T and plan in (COL, ROW):
             log(self.prog.opts, "fusion", f"shard: %{w.name} ({n}) split {t}-way, not tp = {self.T}")
         if t == 1:
@@ -351,7 +296,7 @@ class _Sharder:
     def _merged_linear(self, op: Op, sources: list[str]) -> None:
         x, w = op.inputs
         plans, parts, start, lstart = [], [], 0, 0
-        rows = _source_rows(self.users, op)
+        rows = source_rows(self.users, op)
         for s, n in zip(sources, rows):
             p = linear_plan(s) if self.T > 1 else REP
             if p == ROW:

@@ -162,6 +162,37 @@ def test_collective_pushes_reach_only_the_group(k3_tiny_r8_schedule):
                 assert writers.get((y, peer, (d, d + 1))) == [(peer - d * stride[y]) % 8], (y, peer, d)
 
 
+def _group_allreduce(ranks: int, stride: int):
+    from fusec.ir.builder import GraphBuilder
+    from fusec.ir.types import DType
+    b = GraphBuilder("ar", dims=("B",))
+    x = b.io("x", ["B", 256], DType.bf16)
+    h = b.op("linear", x, b.weight("w1", [256, 256]), name="h")
+    return b.finish([b.op("all_reduce", h, ranks=ranks, stride=stride, name="r")])
+
+
+def test_subgroup_all_reduce_lowering():
+    """R = 6, groups of 2 spaced 3 apart: one push to rank offset 3, a 2-row slot buffer, one
+    arrival awaited, one ack back to offset 3 (= -3 mod 6)."""
+    from test_lowering import lower
+    s = lower(_group_allreduce(2, 3), ranks=6).schedule
+    (push,) = [t for t in s.tasks if t.body_kind == "comm_push"]
+    (st,) = push.stores()
+    assert st.region.rank == 3 and push.instrs[-1].peer == 3
+    assert s.buffers["r.slots"].shape == (2, 1, 256)
+    (red,) = [t for t in s.tasks if t.body_kind == "comm_all_reduce"]
+    waits = [i for i in red.instrs if i.kind is InstrKind.WAIT and i.peer is None and i.threshold]
+    assert [i.threshold for i in waits if "arrive" in s.events[i.event].name] == [1]
+    assert [i.peer for i in red.instrs if i.kind is InstrKind.SIGNAL and i.peer is not None] == [3]
+    assert check_schedule(s.materialize()).ok
+
+
+def test_subgroup_lowering_refuses_groups_that_miss_ranks():
+    from test_lowering import lower
+    with pytest.raises(Exception, match="groups of 2 ranks 3 apart, which do not cover the program's 4 ranks"):
+        lower(_group_allreduce(2, 3), ranks=4)
+
+
 # -- full K3 at R = 64 and 72: structure only ---------------------------------------------------------
 @pytest.mark.parametrize("ranks,tp,ep", [(64, 32, 64), (72, 24, 8)])
 def test_k3_full_hybrid_plan(ranks, tp, ep):
