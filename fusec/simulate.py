@@ -45,11 +45,13 @@ class SimResult:
 
 
 def simulate(model_graph: Graph, ranks: int, gpu: str = "h200", batch: int = 1,
-             max_len: int = 4096) -> SimResult:
+             max_len: int = 4096, tp: int | None = None, ep: int | None = None) -> SimResult:
+    """`tp` / `ep`: smaller parallel degrees than the shard pass plans (None: the plan's)."""
     from fusec.passes.manager import Program, run_pipeline
     spec = gpu_spec(gpu)
     opts = Options(ranks=ranks, batch=batch, max_len=max_len, sms=spec.sms, gpu=gpu, verify_each_pass=False)
     prog = Program(model_graph.copy(), opts)
+    prog.notes["shard_degrees"] = {k: v for k, v in (("tp", tp), ("ep", ep)) if v is not None}
     run_pipeline(prog, PIPE)
     s = prog.schedule
     st = graph_stats(prog.graph, opts.dims)

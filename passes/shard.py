@@ -43,7 +43,8 @@ Requires: a verified graph, not yet sharded (no collectives); canonicalize's mer
           only as `linear` -> `slice` of whole parts.
 Ensures:  R == 1: no change. R > 1: per-rank shapes; every graph output FULL; fusion groups that a
           collective now cuts are split (the side without the anchor leaves the group, logged);
-          `prog.notes["shard"]` = {"ranks", "tp", "ep"}.
+          `prog.notes["shard"]` = {"ranks", "tp", "ep"}. Smaller degrees than planned can be asked
+          for with `prog.notes["shard_degrees"]` = {"tp": t, "ep": e} (divisors of the plan's).
 """
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ def run(prog: Program) -> bool:
     if any(Trait.collective in op.opdef.traits for op in prog.graph.ops):
         raise ShardError("shard: the graph already has collectives (sharded twice?)")
     tp, ep = plan_degrees(prog.graph, R)
+    # an explicit request (simulation sweeps): prog.notes["shard_degrees"] = {"tp": .., "ep": ..}
+    req = prog.notes.get("shard_degrees", {})
+    for name, want, best in (("tp", req.get("tp"), tp), ("ep", req.get("ep"), ep)):
+        if want is not None and (R % want or best % want):
+            raise ShardError(f"shard: {name} = {want} must divide R = {R} and the planned {name} = {best}")
+    tp, ep = req.get("tp", tp), req.get("ep", ep)
     while True:
         try:
             graph = _Sharder(prog, R, tp, ep).run()

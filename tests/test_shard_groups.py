@@ -109,6 +109,21 @@ def test_k3_tiny_hybrid_equals_unsharded(k3_tiny, ranks, tp, ep):
     check_same_numerics(g, parse_fir(text), ranks, K3_DIMS, ref=ref)
 
 
+def test_requested_smaller_ep_shares_the_tp_groups(k3_tiny):
+    """ep = tp = 4 at R = 8: the expert sums live on the TP groups, so the latent all-reduce is
+    over 4 ranks spaced 2 apart, and the step still equals the unsharded one."""
+    g, ref = k3_tiny
+    prog = Program(g.copy(), Options(ranks=8), notes={"shard_degrees": {"ep": 4}})
+    run_pipeline(prog, ["canonicalize", "fuse", "shard"])
+    assert prog.notes["shard"] == {"ranks": 8, "tp": 4, "ep": 4}
+    red = {op.outputs[0].name: op for op in prog.graph.ops}["l1.latent_norm"].inputs[0].producer
+    assert (red.opname, red.attrs["ranks"], red.attrs["stride"]) == ("all_reduce", 4, 2)
+    check_same_numerics(g, parse_fir(print_graph(prog.graph)), 8, K3_DIMS, ref=ref)
+    bad = Program(g.copy(), Options(ranks=8), notes={"shard_degrees": {"ep": 3}})
+    with pytest.raises(Exception, match="ep = 3 must divide R = 8 and the planned ep = 8"):
+        run_pipeline(bad, ["canonicalize", "fuse", "shard"])
+
+
 def test_numerics_check_catches_a_wrong_group(k3_tiny):
     """The check can fail: the latent slice taken by stride-1 groups (index r % 4) instead of the
     TP cosets (index r // 2) feeds each rank another rank's slice."""
