@@ -16,20 +16,35 @@ buffer, e.g. router ids, poisons the task's whole output), which is what NaN poi
 unwritten buffers detects. A weight LOAD addressed by a run-time value (V3) reads poisoned
 data when the addressing tensor is not valid yet.
 
-Numeric mode (one rank: collective pushes are data movement the per-op references do not
-model, so R > 1 runs symbolically): each task evaluates its ops' registry references
-(`Op.opdef.ref`) on what its LOADs saw, then writes only its STORE regions; graph outputs of
-every step are compared with `fusec.backends.reference.executor.run_step`.
+Numeric mode: each task evaluates its ops' registry references (`Op.opdef.ref`, under
+`as_rank(task.rank)`) on what its LOADs saw, then writes only its STORE regions; graph outputs
+of every step (every rank's) are compared with `fusec.backends.reference.executor.run_step`
+(R = 1) or `fusec.backends.reference.ranks.run_step_ranks` (R > 1, from the full checkpoint and
+full state, sliced per rank by the graph's annotations). Collectives at R > 1 are modelled as
+the data movement the lowering emits (`passes/_lowering._emit_collective`): the push task of
+peer offset d copies this rank's operand into slot d of the collective's `<y>.slots` comm
+buffer on rank r + d, so on rank q slot d holds rank q - d's operand; the local task combines
+its own operand with the slots it loaded (all_reduce: sum in rank order, reduce_scatter: this
+rank's chunk of the sum, all_gather: concatenation in rank order).
+
+Cost: a task's result is a pure function of (its ops, rank, step, the data its ops are given:
+its loads and the kept contents of what it updates in place); results are memoized on a digest
+of that data, so tiles of one family that load the same data share one evaluation, and an order
+in which every task sees the same data as an earlier order re-evaluates nothing (any
+difference, e.g. a stale or NaN element, changes the digest and recomputes).
 """
 from __future__ import annotations
 
 import enum
+import hashlib
 import random
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from fusec.ir.ops.comm import as_rank
+from fusec.ir.registry import Trait
 from fusec.ir.schedule import InstrKind, Schedule
 from fusec.ir.types import DType, Kind
 from fusec.passes._memory_access import BufferMap, expand_ranks
@@ -82,13 +97,19 @@ class RandomOrderRunner:
     """Prepared once per schedule (buffers, references); `run(seed)` executes one order."""
 
     def __init__(self, schedule: Schedule, steps: int = 2, numeric: bool | None = None,
-                 weights: dict | None = None, data_seed: int = 0):
+                 weights: dict | None = None, data_seed: int = 0, full_state: dict | None = None):
+        """`weights`: R = 1, the graph's weights (default: random); R > 1, the full (unsharded)
+        checkpoint, required for numeric mode together with `full_state` (unsharded state)."""
         self.s = expand_ranks(schedule)
         s = self.s
         self.steps = steps
         self.numeric = (s.ranks == 1) if numeric is None else numeric
-        if self.numeric and s.ranks != 1:
-            raise ValueError("numeric random-order execution supports one rank; use numeric=False")
+        if self.numeric and s.ranks != 1 and (weights is None or full_state is None):
+            raise ValueError("numeric random-order execution at R > 1 needs the full checkpoint (weights=) "
+                             "and the full state (full_state=)")
+        self.memo: dict = {}          # (ops, body, rank, step, poison, digest of its data) -> result
+        self._inplace: dict = {}
+        self.memo_hits = 0
         self.bm = BufferMap(s.graph, getattr(s, "buffers", {}))
         self.qkeys = sorted(s.queues)
         self.per_step = {(e.rank, e.id): e.per_step for e in s.events}
@@ -117,13 +138,32 @@ class RandomOrderRunner:
         self.inputs = [step_inputs(s.graph, s.dims, k, data_seed) for k in range(steps)]
         self.outputs = [v.name for v in s.graph.outputs]
         if self.numeric:
+            self._reference(weights, full_state, data_seed)
+
+    def _reference(self, weights, full_state, data_seed) -> None:
+        """Per-rank weights and initial state; expected[k][rank] = the outputs of step k."""
+        s = self.s
+        if s.ranks == 1:
             from fusec.weights import random_weights
             if weights is None:
                 weights = random_weights(s.graph, data_seed)
-            self.W = prepare_weights(s.graph, weights, "fp32")
+            self.W = [prepare_weights(s.graph, weights, "fp32")]
             st = init_state(s.graph, s.dims, precision="fp32")
-            self.state0 = {k: v.clone() for k, v in st.items()}
-            self.expected = [run_step(s.graph, self.W, st, self.inputs[k], s.dims, "fp32") for k in range(steps)]
+            self.state0 = [{k: v.clone() for k, v in st.items()}]
+            self.expected = [[run_step(s.graph, self.W[0], st, self.inputs[k], s.dims, "fp32")]
+                             for k in range(self.steps)]
+            return
+        from .ranks import materialize_weights, run_step_ranks, shard_state
+        R = s.ranks
+        self.W = [materialize_weights(s.graph, weights, r, "fp32") for r in range(R)]
+        self.state0 = []
+        for r in range(R):
+            sh = shard_state(s.graph, full_state, r)
+            self.state0.append({v.name: sh[v.name].to(torch_dtype(v.type.dtype, "fp32")) for v in s.graph.states()})
+        st, self.expected = dict(full_state), []
+        for k in range(self.steps):
+            outs, st = run_step_ranks(s.graph, weights, R, st, self.inputs[k], s.dims, "fp32")
+            self.expected.append(outs)
 
     # -- one order ---------------------------------------------------------------------------
     def run(self, seed: int, policy: Policy | None = None, max_poison: int = 3) -> OrderResult:
@@ -134,12 +174,13 @@ class RandomOrderRunner:
         tags = {(r, b): np.full(shape, NEVER, dtype=np.int64) for r in range(R) for b, shape in self.shapes.items()}
         vals = {}
         if self.numeric:
-            for b, shape in self.shapes.items():
-                ty = self.dtypes.get(b)
-                dt = torch_dtype(ty.dtype, "fp32") if ty is not None else torch.float32
-                vals[(0, b)] = (self.state0[b].clone() if b in self.state0 else
-                                torch.full(shape, float("nan")) .to(dt) if dt.is_floating_point else
-                                torch.zeros(shape, dtype=dt))
+            for r in range(R):
+                for b, shape in self.shapes.items():
+                    ty = self.dtypes.get(b)
+                    dt = torch_dtype(ty.dtype, "fp32") if ty is not None else torch.float32
+                    vals[(r, b)] = (self.state0[r][b].clone() if b in self.state0[r] else
+                                    torch.full(shape, float("nan")).to(dt) if dt.is_floating_point else
+                                    torch.zeros(shape, dtype=dt))
         counter: dict = {}
         nq = len(self.qkeys)
         step = [0] * nq
@@ -244,7 +285,7 @@ class RandomOrderRunner:
                         settle(w)
                     continue
             settle(q)
-        self.last_buffers = vals          # rank 0's buffers after the last step (numeric), for diagnosis
+        self.last_buffers = vals          # every rank's buffers after the last step (numeric), for diagnosis
         stuck = [q for q in range(nq) if step[q] < self.steps and s.queues[self.qkeys[q]]]
         if stuck:
             q = stuck[0]
@@ -257,14 +298,16 @@ class RandomOrderRunner:
             return res
         if self.numeric:
             for k in range(self.steps):
-                for n, exp in zip(self.outputs, self.expected[k]):
-                    got = captured[0][k].get(n)
-                    if got is None:
-                        continue
-                    if not torch.allclose(got.float(), exp.float(), rtol=1e-4, atol=1e-5):
-                        bad = (~torch.isclose(got.float(), exp.float(), rtol=1e-4, atol=1e-5)).sum().item()
-                        res.mismatch = f"step {k}: output %{n} differs from the reference in {bad} elements"
-                        return res
+                for r in range(R):
+                    for n, exp in zip(self.outputs, self.expected[k][r]):
+                        got = captured[r][k].get(n)
+                        if got is None:
+                            continue
+                        if not torch.allclose(got.float(), exp.float(), rtol=1e-4, atol=1e-5):
+                            bad = (~torch.isclose(got.float(), exp.float(), rtol=1e-4, atol=1e-5)).sum().item()
+                            res.mismatch = (f"step {k}: rank {r}'s output %{n} differs from the reference "
+                                            f"in {bad} elements")
+                            return res
         return res
 
     # -- one instruction ---------------------------------------------------------------------
@@ -315,43 +358,112 @@ class RandomOrderRunner:
             dst[box] = src[box].to(dst.dtype)
 
     def _compute(self, task, c, k, vals) -> dict:
-        """Evaluate the task's ops on what its loads saw; returns buffer -> full-size result."""
-        g = self.s.graph
-        env, poison = {}, c["poison"]
+        """Evaluate the task's ops on what its loads saw; returns buffer -> full-size result.
+        Memoized on a digest of everything the evaluation reads besides weights and step inputs
+        (fixed per rank and step): the valid part of each load, and the current contents of its
+        STORE regions of buffers the task updates in place."""
+        h = hashlib.blake2b(digest_size=16)
+        for buf, box, data, valid in c["loads"]:
+            h.update(f"{buf}{box}".encode())
+            v = valid.numpy()
+            if v.all():                 # the usual case: no mask to apply
+                h.update(b"all")
+                h.update(data.numpy().tobytes())
+            else:
+                h.update(v.tobytes())
+                h.update(torch.where(valid, data, torch.zeros((), dtype=data.dtype)).numpy().tobytes())
+        for b, box in self._inplace_stores(task):
+            h.update(f"{b}{box}".encode())
+            h.update(vals[(task.rank, b)][box].numpy().tobytes())
+        # keyed by the ops, not the task: the tiles of one family that see the same data (e.g.
+        # every tile of a GEMV loads the whole input) share one evaluation of the family's ops
+        key = (task.ops, task.body_kind, task.rank, k, c["poison"], h.digest())
+        hit = self.memo.get(key)
+        if hit is not None:
+            self.memo_hits += 1
+            return hit
         ops = [self.bm.producer[n] for n in task.ops]
         made = {v.name for op in ops for v in op.outputs}
+        ext: list[dict] = []        # per op: operand index -> what the task's loads give it
+        poison = c["poison"]
         for op in ops:
-            args = []
-            for v in op.inputs:
-                if v.name in env:
-                    args.append(env[v.name])
+            args = {}
+            for j, v in enumerate(op.inputs):
+                if v.name in made:
                     continue
                 b, _ = self.bm.root[v.name]
-                kb = self.bm.kind.get(b)
-                if kb is Kind.weight:
-                    args.append(self.W[v.name])
-                elif b in self.bm.inputs:
-                    args.append(self.inputs[k][v.name])
+                if self.bm.kind.get(b) is Kind.weight or b in self.bm.inputs:
+                    continue
+                args[j], bad = self._gathered(task, op, j, v, b, c, vals)
+                poison |= bad
+            ext.append(args)
+        out = self._evaluate(task, ops, made, ext, poison, c, k)
+        self.memo[key] = out
+        return out
+
+    def _inplace_stores(self, task) -> list:
+        """(buffer, slices) of the task's own-rank STORE regions of buffers its ops update in place."""
+        got = self._inplace.get(task.id)
+        if got is None:
+            bufs = {self.bm.root[op.inputs[j].name][0] for op in (self.bm.producer[n] for n in task.ops)
+                    for j in op.opdef.aliases.values()}
+            got = self._inplace[task.id] = [
+                (self.bm.root[i.region.tensor][0], tuple(slice(lo, hi) for lo, hi in i.region.box))
+                for i in task.instrs if i.kind is InstrKind.STORE and self.bm.root[i.region.tensor][0] in bufs
+                and (i.region.rank is None or i.region.rank == task.rank)]
+        return got
+
+    def _gathered(self, task, op, j, v, b, c, vals):
+        """Operand j of `op` as the task's loads saw it (NaN where not loaded or stale); True when
+        stale integer data poisons everything computed from it."""
+        shape = v.type.concrete(self.s.dims)
+        dt = torch_dtype(v.type.dtype, "fp32")
+        full = torch.full(shape, float("nan")).to(dt) if dt.is_floating_point else torch.zeros(shape, dtype=dt)
+        seen = torch.zeros(shape, dtype=torch.bool)
+        for buf, box, data, valid in c["loads"]:
+            if buf == b:
+                full[box] = data
+                seen[box] = valid
+        if j in op.opdef.aliases.values() and (task.rank, b) in vals:
+            # updated in place: elements of the task's STORE regions that the op does not touch
+            # (cache rows other than `pos`) keep the buffer's contents, loaded or not. Elements
+            # outside them stay NaN: the task neither reads nor writes them (and the memo digest
+            # must not depend on other tasks' progress on them)
+            keep = torch.zeros(shape, dtype=torch.bool)
+            for i in task.instrs:
+                if i.kind is InstrKind.STORE and self.bm.root[i.region.tensor][0] == b \
+                        and (i.region.rank is None or i.region.rank == task.rank):
+                    keep[tuple(slice(lo, hi) for lo, hi in i.region.box)] = True
+            keep &= ~seen
+            full[keep] = vals[(task.rank, b)].to(dt)[keep]
+            seen |= keep
+        if dt.is_floating_point:
+            full[~seen] = float("nan")
+            return full, False
+        return full, any(buf == b and not bool(valid.all()) for buf, _, _, valid in c["loads"])
+
+    def _evaluate(self, task, ops, made, ext, poison, c, k) -> dict:
+        env = {}
+        W = self.W[task.rank]
+        for op, args_ext in zip(ops, ext):
+            args = []
+            for j, v in enumerate(op.inputs):
+                if v.name in env:
+                    args.append(env[v.name])
+                elif j in args_ext:
+                    args.append(args_ext[j])
+                elif self.bm.kind.get(self.bm.root[v.name][0]) is Kind.weight:
+                    args.append(W[v.name])
                 else:
-                    shape = v.type.concrete(self.s.dims)
-                    dt = torch_dtype(v.type.dtype, "fp32")
-                    full = torch.full(shape, float("nan")).to(dt) if dt.is_floating_point else torch.zeros(shape, dtype=dt)
-                    seen = torch.zeros(shape, dtype=torch.bool)
-                    for buf, box, data, valid in c["loads"]:
-                        if buf == b:
-                            full[box] = data
-                            seen[box] = valid
-                    if op.inputs.index(v) in op.opdef.aliases.values() and (0, b) in vals:
-                        # updated in place: elements the op does not touch (cache rows other than
-                        # `pos`) keep the buffer's contents, whether or not the task loaded them
-                        full[~seen] = vals[(0, b)].to(dt)[~seen]
-                        seen[...] = True
-                    if dt.is_floating_point:
-                        full[~seen] = float("nan")
-                    elif any(buf == b and not bool(valid.all()) for buf, _, _, valid in c["loads"]):
-                        poison = True    # stale ids/positions: anything computed from them is garbage
-                    args.append(full)
-            outs = op.opdef.ref(args, op.attrs)
+                    args.append(self.inputs[k][v.name])
+            if self.s.ranks > 1 and Trait.collective in op.opdef.traits:
+                res = self._collective_task(task, op, args[0], c)
+                if isinstance(res, dict):
+                    return res          # a push: its result is the slot buffer's content
+                outs = [res]
+            else:
+                with as_rank(task.rank):
+                    outs = op.opdef.ref(args, op.attrs)
             for v, t in zip(op.outputs, outs):
                 t = store(t, v.type, "fp32")
                 if poison and t.is_floating_point():
@@ -363,3 +475,29 @@ class RandomOrderRunner:
             if b not in out or ver > out[b][0]:
                 out[b] = (ver, env[name])
         return {b: t for b, (ver, t) in out.items()}
+
+    def _collective_task(self, task, op, x, c):
+        """One side of a collective as the lowering emits it: a push task stores its operand in
+        a peer's slot (returns {slot buffer: every slot = x}; the STORE region picks slot d), the
+        local task combines its operand with the slots (slot d = rank (q - d)'s operand)."""
+        R, q = self.s.ranks, task.rank
+        slot = f"{op.outputs[0].name}.slots"
+        if slot not in self.shapes:
+            raise ValueError(f"task {task.id}: collective %{op.outputs[0].name} has no slot buffer %{slot}")
+        if any(i.kind is InstrKind.STORE and i.region.tensor == slot for i in task.instrs):
+            return {slot: x.float().unsqueeze(0).expand(R, *x.shape).clone()}
+        slots = torch.full(self.shapes[slot], float("nan"))
+        for buf, box, data, valid in c["loads"]:
+            if buf == slot:
+                slots[box] = torch.where(valid, data.float(), torch.tensor(float("nan")))
+        xs = [None] * R
+        xs[q] = x.float()
+        for d in range(1, R):
+            xs[(q - d) % R] = slots[d]
+        if op.opname == "all_reduce":
+            return torch.stack(xs).sum(0)
+        if op.opname == "reduce_scatter":
+            return torch.stack(xs).sum(0).chunk(R, op.attrs["dim"])[q]
+        if op.opname == "all_gather":
+            return torch.cat(xs, op.attrs["dim"])
+        raise ValueError(f"numeric random-order execution does not model collective {op.opname}")
