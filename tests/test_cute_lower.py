@@ -180,9 +180,17 @@ def test_k3_tiny_compiles_for_sm90a_and_passes_audit(tmp_path):
 
 def test_emit_cute_compiles_and_audits(tmp_path):
     _cutlass()
-    from fusec.cli import main
-    assert main(["compile", "models/llama.py", "--config", "tiny", "--emit", "cute", "--aot",
-                 "--max-len", str(L), "-o", str(tmp_path)]) == 0
+    import pathlib
+    import subprocess
+    import sys
+    # A fresh process, as the CLI runs: export_to_c fails inside a process where another kernel
+    # was compiled first (cutlass JIT session, nvidia-cutlass-dsl 4.8.1).
+    model = pathlib.Path(llama.__file__).resolve()
+    r = subprocess.run([sys.executable, "-m", "fusec.cli", "compile", str(model), "--config", "tiny",
+                        "--emit", "cute", "--aot", "--max-len", str(L), "-o", str(tmp_path)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
+    assert r.returncode == 0, r.stderr
     d = tmp_path / "cute"
     names = sorted(p.name for p in d.iterdir())
     assert names == ["audit.txt", "megakernel_llama_tiny.h", "megakernel_llama_tiny.o",
