@@ -1,35 +1,36 @@
 """shard: hybrid tensor parallel + expert parallel over R = prog.opts.ranks ranks (SPMD).
 
 One graph that every rank runs, with per-rank weight and state shards. Degrees (`plan_degrees`):
-  tp = the largest divisor of R that divides every split dim of the TP plan (head counts,
-       column-parallel output widths, row-parallel input widths, vocab);
+  tp = the largest divisor of R that divides every head count and every column-parallel part of
+       a merged projection (K3: R = 64 -> 32, R = 72 -> 24);
   ep = gcd(R, E) for the routed experts (E = 896 for K3: R = 64 -> 64, R = 72 -> 8).
-The R ranks form R / tp *replica groups*: rank r is in TP group {r mod s + k s : k < tp}
-(s = R / tp) at index r // s, and in EP group {r mod s' + k s' : k < ep} (s' = R / ep). Replica
-groups compute the same values (at decode every rank holds every token, so a replica's mixers
-repeat the others' work: the attention/mixer weights are read tp-way sharded, not R-way; this is
-the "TP inside, replicas across" layout of deployments without data-parallel attention). With
-ep < R the experts are replicated R / ep times (even placement; uneven placement of 896 experts
-over 72 ranks is not planned). Groups are cosets (see fusec/ir/ops/comm.py) so every collective's
-peers are the same offsets on every rank and the schedule stays a pure rotation.
+A group of g ranks is the coset {r mod s + k s : k < g}, s = R / g, and rank r's index in it is
+r // s (fusec/ir/ops/comm.py): every collective's peers are the same offsets on every rank, so
+the schedule stays a pure rotation. The R ranks form R / tp *replica groups* that compute the
+same values: at decode every rank holds every token, so a replica repeats the others' mixer
+work and the mixer weights are read tp-way, not R-way (the layout of deployments without
+data-parallel attention). With ep < R the experts are replicated R / ep times (even placement;
+uneven placement of 896 experts over 72 ranks is not planned). A plain linear whose width tp
+does not divide is split over the largest subgroup that divides it; lm_head over the largest
+divisor of R that divides the vocab.
 
 The pass walks the ops in order and tracks each value's *layout* on the ranks:
   FULL         every rank holds the whole value (replicated computation)
-  SPLIT(d)     rank r holds the (r // s)-th of tp equal chunks of dim d (its TP group index)
-  PARTIAL      the value is the sum over r's TP group of what each member holds
+  SPLIT(d, g)  rank r holds the (r // s)-th of g equal chunks of dim d (s = R / g)
+  PARTIAL(g)   the value is the sum over r's group of g ranks of what each member holds
   EP           expert-parallel rows: each [token, slot] row lives on the EP group member owning
-               its expert, zeros on the others
-  PARTIAL_EP   the sum over r's EP group (a combine of EP rows); PARTIAL itself when ep == tp
+               its expert, zeros on the others (so also a PARTIAL(ep))
   PARTS        a merged projection's output: each slice of it has its own layout
 An op either runs on the layouts it gets (its sharding rule) or its inputs are converted first:
-PARTIAL -> FULL `all_reduce`, PARTIAL -> SPLIT `reduce_scatter`, SPLIT -> FULL `all_gather`,
-FULL -> SPLIT `rank_slice` (local, no traffic), each over the layout's group (attrs `ranks` =
-group size, `stride`). Conversions are memoised, so a value is all-gathered at most once. The
-plan per op is in docs/passes.md; in short: column-parallel projections split their output
-(heads for KDA/MLA/GQA), row-parallel o_proj/down_proj give PARTIAL sums, routed experts are
-split E/ep per rank (`ep_ranks`, `ep_stride`), the combined latent is all-reduced (EP group)
-before the latent RMSNorm, the latent up-projection is row-parallel and shares the shared
-expert's all-reduce, lm_head is vocab-parallel and its logits are all-gathered before argmax.
+PARTIAL -> FULL `all_reduce`, PARTIAL -> SPLIT (same group) `reduce_scatter`, SPLIT -> FULL
+`all_gather`, FULL -> SPLIT `rank_slice` (local, no traffic), with attrs `ranks` = g and
+`stride` = s; between groups through FULL. Conversions are memoised, so a value is
+all-gathered at most once. The plan per op is in docs/passes.md; in short: column-parallel
+projections split their output (heads for KDA/MLA/GQA), row-parallel o_proj/down_proj give
+PARTIAL sums, routed experts are split E/ep per rank (`ep_ranks`, `ep_stride`), the combined
+latent is all-reduced (EP group) before the latent RMSNorm, the latent up-projection is
+row-parallel and shares the shared expert's all-reduce when both sums live on one group,
+lm_head is vocab-parallel and its logits are all-gathered before argmax.
 
 Which linears are column/row parallel comes from `LINEAR_PLAN` in passes/_shard_plan.py (fnmatch
 on the weight's full name, first match wins; unmatched linears are replicated), which also picks
