@@ -116,3 +116,45 @@ def test_k3_tiny_schedule_verifies_and_round_trips(k3_tiny, ranks):
     again = parse_schedule(text, "k3.sched")
     assert print_schedule(again) == text
     assert check_schedule(again).ok
+
+
+@pytest.fixture(scope="module")
+def k3_tiny_r4():
+    from fusec.config import Options
+    from fusec.models import kimi_k3
+    from fusec.passes.manager import PIPELINES, Program, run_pipeline
+    return run_pipeline(Program(kimi_k3.build_graph("tiny"), Options(ranks=4, batch=2, max_len=16, sms=8,
+                                                                     verify_each_pass=False)),
+                        PIPELINES["default"]).schedule
+
+
+def test_symmetric_check_agrees_with_the_materialized_one(k3_tiny, k3_tiny_r4):
+    """A replicated schedule is checked on rank 0 only (clocks over rank x queue); the explicit
+    check of its materialized form (every rank's tasks) must find the same rules, and rank 0's
+    violations among its own. R = 4 so that a peer offset's sign matters (+1 != -1)."""
+    from fusec.mutate import Mutation, MutationSkipped, plant
+    bases = [k3_tiny[2], k3_tiny_r4] + [parse_schedule_file(p) for p in GOOD + BAD]
+    bases = [s for s in bases if s.replicated and s.ranks > 1]
+    compared = 0
+    for base in bases:
+        variants = [base]
+        for kind in Mutation:
+            if kind is not Mutation.grid_differs:      # that one materializes: explicit by design
+                try:
+                    variants.append(plant(base, kind, seed=1)[0])
+                except MutationSkipped:
+                    pass
+        for s in variants:
+            sym, mat = check_schedule(s), check_schedule(s.materialize())
+            assert sym.stats["symmetric"] and not mat.stats["symmetric"]
+            assert sym.rules() == mat.rules(), (sym.rules(), mat.rules())
+            assert {str(e) for e in sym.errors} <= {str(e) for e in mat.errors}
+            compared += 1
+    assert compared >= 20 and any(s.ranks == 4 for s in bases)
+
+
+def test_grid_differs_on_a_materialized_rank_is_v7(k3_tiny_r4):
+    from fusec.mutate import Mutation, plant
+    bad, why = plant(k3_tiny_r4, Mutation.grid_differs, seed=0)
+    rep = check_schedule(bad)
+    assert not bad.replicated and not rep.stats["symmetric"] and "V7" in rep.rules(), why

@@ -5,7 +5,8 @@ outputs of two steps with the reference executor). K3 tiny runs 1,000 orders per
 every order has the symbolic poison/dataflow check (every read must see the value its version
 names, written in this step), and a fixed subset also runs numerically: seeds divisible by 4 at
 R = 1 (250 orders, vs `run_step`), seeds divisible by 20 at R = 2 (50 orders, every rank vs
-`run_step_ranks`, collectives modelled as slot pushes + local reduce). A numeric order costs
+`run_step_ranks`, collectives modelled as slot pushes + local reduce; ok_allreduce and
+v4_comm_reuse also run numerically at R = 2). A numeric order costs
 ~0.1 s at R = 1 and ~0.25 s at R = 2 on this CPU after the first (memoized task results), so
 the subset keeps this file within its CI share; benchmarks/stress_random_order.py runs more.
 """
@@ -144,18 +145,37 @@ def test_k3_tiny_numeric_order_runs_every_task_of_both_steps(k3_tiny, k3_runners
     assert r.instrs > 2 * ranks * len(k3_tiny[ranks].tasks)     # both steps ran every task of every rank
 
 
-def test_k3_tiny_r2_push_feeds_the_reduce_numerically(k3_tiny):
-    """Drop one collective push's STORE: the peer's reduce reads a never-written slot, which
-    must surface as NaN in the outputs (a numeric mismatch), not only as a poisoned-read tag."""
-    import copy
+def allreduce_runner(s):
+    """ok_allreduce's graph has no shard annotations: its weights are the full checkpoint."""
+    from fusec.backends.reference.executor import init_state
+    from fusec.weights import random_weights
+    return RandomOrderRunner(s, steps=2, numeric=True, weights=random_weights(s.graph, 0),
+                             full_state=init_state(s.graph, s.dims, precision="fp32"))
 
+
+def test_two_rank_allreduce_matches_run_step_ranks_numerically():
+    run = allreduce_runner(load("ok_allreduce"))
+    results = [run.run(seed) for seed in range(300)]
+    assert all(r.ok for r in results), next(r.why() for r in results if not r.ok)
+    # the steps' tokens differ, so a slot still holding step 0's row would show in step 1
+    assert not torch.equal(run.expected[0][0][0], run.expected[1][0][0])
+
+
+def test_push_feeds_the_reduce_numerically():
+    """Drop the push's STORE: the peer's reduce reads a never-written slot, which must surface
+    as NaN in the outputs (a numeric mismatch), not only as a poisoned-read tag."""
     from fusec.ir.schedule import InstrKind
-    s = copy.deepcopy(k3_tiny[2])
-    push = next(t for t in s.tasks if t.body_kind == "comm_push")
+    s = load("ok_allreduce")
+    push = next(t for t in s.tasks if t.body_kind == "send")
     push.instrs = [i for i in push.instrs if i.kind is not InstrKind.STORE]
-    _, run = runners({**k3_tiny, 2: s}, 2)
-    r = run.run(seed=0)
+    r = allreduce_runner(s).run(seed=0)
     assert r.poisoned and r.mismatch and "differs from the reference" in r.mismatch
+
+
+def test_comm_reuse_gives_wrong_numbers_at_two_ranks():
+    run = allreduce_runner(load("v4_comm_reuse"))
+    bad = [r for r in (run.run(seed) for seed in range(200)) if not r.ok]
+    assert bad and all(r.mismatch for r in bad)
 
 
 def test_numeric_at_two_ranks_needs_the_full_checkpoint(k3_tiny):

@@ -478,14 +478,20 @@ class RandomOrderRunner:
 
     def _collective_task(self, task, op, x, c):
         """One side of a collective as the lowering emits it: a push task stores its operand in
-        a peer's slot (returns {slot buffer: every slot = x}; the STORE region picks slot d), the
-        local task combines its operand with the slots (slot d = rank (q - d)'s operand)."""
+        a peer's slot of a comm buffer [R, *x] (returns {buffer: every slot = x}; the STORE
+        region picks slot d), the local task combines its operand with the slots it loaded
+        (slot d = rank (q - d)'s operand)."""
         R, q = self.s.ranks, task.rank
-        slot = f"{op.outputs[0].name}.slots"
-        if slot not in self.shapes:
-            raise ValueError(f"task {task.id}: collective %{op.outputs[0].name} has no slot buffer %{slot}")
-        if any(i.kind is InstrKind.STORE and i.region.tensor == slot for i in task.instrs):
-            return {slot: x.float().unsqueeze(0).expand(R, *x.shape).clone()}
+        comm = {self.bm.root[i.region.tensor][0] for i in task.instrs
+                if i.region is not None and self.bm.kind.get(self.bm.root[i.region.tensor][0]) is Kind.comm}
+        pushed = [self.bm.root[i.region.tensor][0] for i in task.instrs
+                  if i.kind is InstrKind.STORE and self.bm.root[i.region.tensor][0] in comm]
+        if pushed:          # the lowering's `<y>.slots` (or a hand-written comm buffer)
+            return {pushed[0]: x.float().unsqueeze(0).expand(R, *x.shape).clone()}
+        if len(comm) != 1:
+            raise ValueError(f"task {task.id}: collective %{op.outputs[0].name} reads {len(comm)} comm "
+                             f"buffers, expected its slot buffer")
+        (slot,) = comm
         slots = torch.full(self.shapes[slot], float("nan"))
         for buf, box, data, valid in c["loads"]:
             if buf == slot:
