@@ -21,11 +21,12 @@ Numeric mode: each task evaluates its ops' registry references (`Op.opdef.ref`, 
 of every step (every rank's) are compared with `fusec.backends.reference.executor.run_step`
 (R = 1) or `fusec.backends.reference.ranks.run_step_ranks` (R > 1, from the full checkpoint and
 full state, sliced per rank by the graph's annotations). Collectives at R > 1 are modelled as
-the data movement the lowering emits (`passes/_lowering._emit_collective`): the push task of
-peer offset d copies this rank's operand into slot d of the collective's `<y>.slots` comm
-buffer on rank r + d, so on rank q slot d holds rank q - d's operand; the local task combines
-its own operand with the slots it loaded (all_reduce: sum in rank order, reduce_scatter: this
-rank's chunk of the sum, all_gather: concatenation in rank order).
+the data movement the lowering emits (`passes/_collectives.emit_collective`; groups of G =
+`ranks` members `stride` S apart): the push task of in-group offset d copies this rank's
+operand into slot d of the collective's comm buffer `<y>.slots` [G, ...] on rank r + d * S, so
+on rank q slot d holds the operand of rank q - d * S (group index i - d); the local task
+combines its own operand with the slots it loaded, in group index order (all_reduce: sum,
+reduce_scatter: its chunk of the sum, all_gather: concatenation).
 
 Cost: a task's result is a pure function of (its ops, rank, step, the data its ops are given:
 its loads and the kept contents of what it updates in place); results are memoized on a digest
@@ -487,7 +488,7 @@ class RandomOrderRunner:
         pushed = [self.bm.root[i.region.tensor][0] for i in task.instrs
                   if i.kind is InstrKind.STORE and self.bm.root[i.region.tensor][0] in comm]
         if pushed:          # the lowering's `<y>.slots` (or a hand-written comm buffer)
-            return {pushed[0]: x.float().unsqueeze(0).expand(R, *x.shape).clone()}
+            return {pushed[0]: x.float().unsqueeze(0).expand(self.shapes[pushed[0]][0], *x.shape).clone()}
         if len(comm) != 1:
             raise ValueError(f"task {task.id}: collective %{op.outputs[0].name} reads {len(comm)} comm "
                              f"buffers, expected its slot buffer")
@@ -496,14 +497,18 @@ class RandomOrderRunner:
         for buf, box, data, valid in c["loads"]:
             if buf == slot:
                 slots[box] = torch.where(valid, data.float(), torch.tensor(float("nan")))
-        xs = [None] * R
-        xs[q] = x.float()
-        for d in range(1, R):
-            xs[(q - d) % R] = slots[d]
+        # groups of G ranks S apart (comm.py): slot d holds the member d places behind, rank
+        # q - d * S, i.e. group index i - d; operands are combined in group index order
+        G, S = op.attrs.get("ranks", R), op.attrs.get("stride", 1)
+        i = (q // S) % G
+        xs = [None] * G
+        xs[i] = x.float()
+        for d in range(1, G):
+            xs[(i - d) % G] = slots[d]
         if op.opname == "all_reduce":
             return torch.stack(xs).sum(0)
         if op.opname == "reduce_scatter":
-            return torch.stack(xs).sum(0).chunk(R, op.attrs["dim"])[q]
+            return torch.stack(xs).sum(0).chunk(G, op.attrs["dim"])[i]
         if op.opname == "all_gather":
             return torch.cat(xs, op.attrs["dim"])
         raise ValueError(f"numeric random-order execution does not model collective {op.opname}")
