@@ -6,6 +6,12 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_text(path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -13,6 +19,7 @@ def write_text(path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
