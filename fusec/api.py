@@ -56,8 +56,6 @@ def _cute_runner(graph, weights, dims, device, precision):
 
 
 BACKENDS = {"reference": ReferenceRunner, "cute": _cute_runner}
-# Backends that exist as components but cannot yet run a whole model step, with the reason.
-NOT_YET: dict[str, str] = {}
 
 
 class CompiledStep:
@@ -104,8 +102,6 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
     """
     graph, module = load_graph(model, config, overrides)
     verify_graph(graph)
-    if backend in NOT_YET:
-        raise ValueError(f"backend '{backend}' cannot run a model step yet: {NOT_YET[backend]}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend '{backend}' (have: {', '.join(BACKENDS)})")
     if precision not in ("bf16", "fp32"):
