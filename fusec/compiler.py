@@ -68,6 +68,8 @@ def lower(graph, opts: Options, passes: str = "default"):
     prog = Program(graph.copy(), opts)
 
     def on_stage(name, p):
+        if not (opts.print_ir_after_all or opts.dump_dir):
+            return                       # printing a full-K3 schedule costs seconds: only when asked
         text = stage_text(p)
         if opts.print_ir_after_all:
             print(f"// ----- after {name} -----\n{text}")
