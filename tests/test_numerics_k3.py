@@ -13,13 +13,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from numerics_harness import decode_against, rel_err  # noqa: E402
 from independent.k3_torch import K3Decoder  # noqa: E402
 
-from fusec.backends.reference.executor import init_state, prepare_weights, run_step  # noqa: E402
 from fusec.models import kimi_k3  # noqa: E402
-from fusec.weights import random_weights  # noqa: E402
 
-BATCH, STEPS, CACHE = 3, 8, 16
 FP32_TOL = 1e-5
 # bf16 graph (every activation, the latent cache and conv state stored in bf16) vs fp32 oracle.
 # One bf16 rounding is <= 2^-9 relative; a tiny K3 step stores ~40 activations per layer on the
@@ -29,32 +27,9 @@ FP32_TOL = 1e-5
 BF16_TOL = 0.15
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| / max|b| (b is the oracle)."""
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-
-
-def _setup(seed: int, precision: str, **overrides):
-    g = kimi_k3.build_graph("tiny", **overrides)
-    cfg = kimi_k3.get_config("tiny", **overrides)
-    raw = random_weights(g, seed, kimi_k3.WEIGHT_INIT)
-    weights = prepare_weights(g, raw, precision)
-    state = init_state(g, {"B": BATCH, "L": CACHE}, precision=precision)
-    oracle = K3Decoder(cfg, {kimi_k3.checkpoint_name(n): t for n, t in raw.items()}, BATCH, CACHE)
-    return g, cfg, weights, state, oracle
-
-
 def _run(seed, precision, offsets, check, **overrides):
-    g, cfg, weights, state, oracle = _setup(seed, precision, **overrides)
-    gen = torch.Generator().manual_seed(100 + seed)
-    off = torch.tensor(offsets, dtype=torch.int32)
-    for t in range(STEPS):
-        tokens = torch.randint(0, cfg.vocab, (BATCH,), generator=gen, dtype=torch.int32)
-        pos = off + t
-        logits, nxt = run_step(g, weights, state, {"tokens": tokens, "pos": pos}, {"B": BATCH, "L": CACHE},
-                               precision)
-        want = oracle.step(tokens, pos)
-        check(t, logits, nxt, want)
+    decode_against(kimi_k3, K3Decoder, seed=seed, token_seed=100 + seed, precision=precision, offsets=offsets,
+                   check=check, **overrides)
 
 
 @pytest.mark.parametrize("offsets,overrides", [

@@ -10,13 +10,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from numerics_harness import decode_against, rel_err  # noqa: E402
 from independent.llama_torch import LlamaDecoder  # noqa: E402
 
-from fusec.backends.reference.executor import init_state, prepare_weights, run_step  # noqa: E402
 from fusec.models import llama  # noqa: E402
-from fusec.weights import random_weights  # noqa: E402
 
-BATCH, STEPS, CACHE = 3, 8, 16
 TOL = 1e-5
 # bf16 graph vs fp32 oracle: one bf16 rounding is <= 2^-9 = 2e-3 relative and the tiny model's
 # logits carry a few dozen of them (3 layers; no gates that amplify errors, unlike K3's KDA decay).
@@ -25,26 +23,9 @@ TOL = 1e-5
 BF16_TOL = 1e-2
 
 
-def rel_err(a, b):
-    """max|a - b| / max|b| (b is the oracle)."""
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-
-
 def _run(precision, offsets, seed, check, **overrides):
-    g = llama.build_graph("tiny", **overrides)
-    cfg = llama.get_config("tiny", **overrides)
-    raw = random_weights(g, seed, llama.WEIGHT_INIT)
-    weights = prepare_weights(g, raw, precision)
-    state = init_state(g, {"B": BATCH, "L": CACHE}, precision=precision)
-    oracle = LlamaDecoder(cfg, {llama.checkpoint_name(n): t for n, t in raw.items()}, BATCH, CACHE)
-    gen = torch.Generator().manual_seed(7 + seed)
-    off = torch.tensor(offsets, dtype=torch.int32)
-    for t in range(STEPS):
-        tokens = torch.randint(0, cfg.vocab, (BATCH,), generator=gen, dtype=torch.int32)
-        pos = off + t
-        logits, nxt = run_step(g, weights, state, {"tokens": tokens, "pos": pos}, {"B": BATCH, "L": CACHE},
-                               precision)
-        check(t, logits, nxt, oracle.step(tokens, pos))
+    decode_against(llama, LlamaDecoder, seed=seed, token_seed=7 + seed, precision=precision, offsets=offsets,
+                   check=check, **overrides)
 
 
 @pytest.mark.parametrize("offsets,overrides", [

@@ -6,11 +6,8 @@ Small shapes, one kernel per batch size; the expected values come from
 """
 import pytest
 
-torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl==4.8.1 not installed")
+from _needs_cute import torch  # noqa: E402  (skips this module without CUDA or the CuTe DSL)
 
 from fusec.backends.cute import workloads as wl  # noqa: E402
 from fusec.backends.cute.plan import EwOp, KernelPlan, Opcode, round_robin_queues  # noqa: E402
