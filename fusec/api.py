@@ -44,9 +44,9 @@ class ReferenceRunner:
     def reset(self) -> None:
         self.state = init_state(self.graph, self.dims, self.device, self.precision)
 
-    def run(self, tokens, positions):
+    def run(self, tokens, positions, hook=None):
         return run_step(self.graph, self.weights, self.state, {"tokens": tokens, "pos": positions},
-                        self.dims, self.precision)
+                        self.dims, self.precision, hook)
 
 
 def _cute_runner(graph, weights, dims, device, precision):

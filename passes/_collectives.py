@@ -80,6 +80,12 @@ def emit_collective(ctx: _Ctx, name: str, op: Op) -> list[Unit]:
     return [local]
 
 
+# (cache row, head, batch row) triples one split-sequence MLA partial task should walk at most:
+# on the H200 the MLA body takes ~1.4 ms for 114 rows x 64 heads (measured, benchmarks/
+# cute_speed.py profile); the scores of one row are a dependent chain of loads and reductions.
+MLA_PAIRS_PER_TASK = 1024
+
+
 def split_sequence(g: Graph, dims, sms: int, logf) -> int:
     """Replace each absorbed MLA attention over a long cache by split-sequence partials (one
     task per chunk of cache rows) and a combine; returns how many were split. Every head of
@@ -93,7 +99,10 @@ def split_sequence(g: Graph, dims, sms: int, logf) -> int:
         cache = op.inputs[2]
         cb = cache.type.nbytes(dims)
         rows = cache.type.concrete(dims)[1]
-        chunks = min(sms, rows, math.ceil(cb / _lowering.MIN_TASK_BYTES))
+        # Enough bytes per chunk, and not too many (cache row, head) pairs: a partial task walks
+        # its rows one after another for every head (latency-bound, see MLA_PAIRS_PER_TASK).
+        pairs = rows * int(op.attrs["heads"]) * cache.type.concrete(dims)[0]
+        chunks = min(sms, rows, max(math.ceil(cb / _lowering.MIN_TASK_BYTES), math.ceil(pairs / MLA_PAIRS_PER_TASK)))
         if chunks <= 1:
             new_ops.append(op)
             continue

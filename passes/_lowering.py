@@ -29,7 +29,7 @@ EXPERT_OPS = {"moe_gate_up", "moe_down"}
 HEAD_OPS = {"mla_attention_naive", "mla_attention", "attention", "kda_recurrent"}
 COLLECTIVES = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all_dispatch", "all_to_all_combine"}
 # elementwise-on-the-tile ops usable as epilogues; head-wise ones need head-aligned tiles
-HEADWISE = {"gated_rms_norm", "l2_norm"}
+HEADWISE = {"gated_rms_norm", "l2_norm", "rope"}   # rope rotates pairs within a head
 
 
 @dataclass

@@ -161,55 +161,53 @@ class Interp:
         return MXFP4Tensor(packed, scale).dequant()
 
     def expert(self, r, B, mx):
+        """Slot P0 of batch rows P2 >> 16 .. P2 & 0xFFFF: GLU -> bf16 h, DOWN -> fp32 y (plain dot)."""
         topk = r.p1
         ids = self.t(r.a4, torch.int32, (B, topk), (topk, 1))
-        if r.sub == ExpertMode.GLU:
-            x = self.mat(r.a1, B, r.k, r.ldx).float()
-            h = self.mat(r.a2, B, r.n1, r.ldy)
-            from fusec.ir.ops.core import situ_glu_math
-            for b in range(B):
-                e = int(ids[b, r.p0])
-                if e < 0:
-                    h[b, r.n0:r.n1] = 0
-                    continue
-                wg = self.weight_rows(r.a0, r.a3, mx, e, r.aux, r.n0, r.n1, r.k)
+        glu = r.sub == ExpertMode.GLU
+        x = self.mat(r.a1, B, r.k, r.ldx).float()
+        out = self.mat(r.a2, B, r.n1, r.ldy, not glu)
+        from fusec.ir.ops.core import situ_glu_math
+        for b in range(r.p2 >> 16, r.p2 & 0xFFFF):
+            e = int(ids[b, r.p0])
+            if e < 0:
+                out[b, r.n0:r.n1] = 0
+                continue
+            wg = self.weight_rows(r.a0, r.a3, mx, e, r.aux, r.n0, r.n1, r.k)
+            if glu:
                 wu = self.weight_rows(r.a5, r.a6, mx, e, r.aux, r.n0, r.n1, r.k)
-                h[b, r.n0:r.n1] = situ_glu_math(wg @ x[b], wu @ x[b]).to(torch.bfloat16)
-        else:
-            rw = self.t(r.a7, torch.float32, (B, topk), (topk, 1))
-            out = self.mat(r.a2, B, r.n1, r.ldy, True)
-            for b in range(B):
-                acc = torch.zeros(r.n1 - r.n0)
-                for j in range(topk):
-                    e = int(ids[b, j])
-                    if e < 0:
-                        continue
-                    hv = self.t(r.a1 + 2 * (b * r.ldx + j * r.k), torch.bfloat16, (r.k,), (1,)).float()
-                    acc += rw[b, j] * (self.weight_rows(r.a0, r.a3, mx, e, r.aux, r.n0, r.n1, r.k) @ hv)
-                out[b, r.n0:r.n1] = acc
+                out[b, r.n0:r.n1] = situ_glu_math(wg @ x[b], wu @ x[b]).to(torch.bfloat16)
+            else:
+                out[b, r.n0:r.n1] = wg @ x[b]
 
     def mla(self, r, B):
-        """PARTIAL writes [o / l, m, l] per (chunk 0, batch, head) (one chunk); COMBINE merges."""
+        """PARTIAL writes [o / l, m, l] per (chunk, batch, head) over the chunk's rows up to pos;
+        COMBINE merges the P1 chunks of items n0..n1 (b * H + h) into bf16."""
         H, K, R, S = r.ldy, r.k, r.p2, r.p1
         part = self.t(r.a2 if r.sub == MlaMode.PARTIAL else r.a0, torch.float32, (S, B, H, K + 2),
                       (B * H * (K + 2), H * (K + 2), K + 2, 1))
         if r.sub == MlaMode.PARTIAL:
-            assert S == 1, "interp: one chunk"
             for i in range(r.n0, r.n1):
-                b = i % B
-                p = int(self.t(r.a4, torch.int32, (B,), (1,))[b])
+                c, b = divmod(i, B)
+                lo, hi = c * r.ldx // S, (c + 1) * r.ldx // S
+                end = min(hi, int(self.t(r.a4, torch.int32, (B,), (1,))[b]) + 1)
+                if end <= lo:   # nothing of this chunk is visible yet
+                    part[c, b, :, :K] = 0.0
+                    part[c, b, :, K] = float("-inf")
+                    part[c, b, :, K + 1] = 0.0
+                    continue
                 ql = self.t(r.a0, torch.bfloat16, (B, H, K), (H * K, K, 1))[b].float()
                 qp = self.t(r.a1, torch.bfloat16, (B, H, R), (H * R, R, 1))[b].float()
-                c = self.t(r.a3, torch.bfloat16, (B, r.ldx, K + R), (r.ldx * (K + R), K + R, 1))[b, :p + 1].float()
-                sc = (ql @ c[:, :K].T + qp @ c[:, K:].T) * _f32_lo(r.aux)    # [H, rows]
+                cc = self.t(r.a3, torch.bfloat16, (B, r.ldx, K + R), (r.ldx * (K + R), K + R, 1))[b, lo:end].float()
+                sc = (ql @ cc[:, :K].T + qp @ cc[:, K:].T) * _f32_lo(r.aux)    # [H, rows]
                 m = sc.max(-1).values
                 e = torch.exp(sc - m[:, None])
                 l_ = e.sum(-1)
-                part[0, b, :, :K] = (e @ c[:, :K]) / l_[:, None]
-                part[0, b, :, K] = m
-                part[0, b, :, K + 1] = l_
+                part[c, b, :, :K] = (e @ cc[:, :K]) / l_[:, None]
+                part[c, b, :, K] = m
+                part[c, b, :, K + 1] = l_
         else:
-            out = self.t(r.a2, torch.float32, (B * H, K), (K, 1))
+            out = self.t(r.a2, torch.bfloat16, (B * H, K), (K, 1))
             flat = part.reshape(S, B * H, K + 2)
             for i in range(r.n0, r.n1):
                 m = flat[:, i, K]
@@ -226,7 +224,13 @@ class Interp:
                 row = self.t(r.a1 + 2 * (b * r.p0 + int(pos[b]) * r.ldy), torch.bfloat16, (r.n1,), (1,))
                 row[cols] = a[b, cols].to(row.dtype)
             return
-        if sub == EwOp.GATHER:
+        if sub == EwOp.WSUM:   # sum over P2 slots (stride P0) of fp32 weights (A1 [B, P2]) * a[b, j]
+            K = r.p2
+            a = self.t(r.a0, torch.float32 if fl & F32Flag.A0 else torch.bfloat16, (B, K, r.n1),
+                       (r.ldx, r.p0, 1)).float()[..., cols]
+            w = self.t(r.a1, torch.float32, (B, K), (K, 1))
+            y = get_op("moe_combine").ref([a, w], {})[0]
+        elif sub == EwOp.GATHER:
             ids = self.t(r.a3, torch.int32, (B,), (1,))
             tab = self.mat(r.a0, int(ids.max()) + 1, r.n1, r.ldx, bool(fl & F32Flag.A0))
             y = tab[ids.long(), cols].float()

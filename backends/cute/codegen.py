@@ -19,7 +19,7 @@ import types
 import jinja2
 
 from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ERR_WORDS, KDA_MAX_HEAD_DIM, MLA_MAX_LORA, MLA_MAX_ROPE,
-                   MlaMode, ROUTER_MAX_TOPK, ROUTER_PER_THREAD, ROW_WORDS, ErrWord, EwOp,
+                   MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS, ROUTER_MAX_TOPK, ROUTER_PER_THREAD, ROW_WORDS, ErrWord, EwOp,
                    ExpertMode, F32Flag, KernelPlan, Word)
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
@@ -53,6 +53,8 @@ def render(plan: KernelPlan) -> str:
         mla_max_rope=MLA_MAX_ROPE,
         attn_max_d=ATTN_MAX_HEAD_DIM,
         mla_modes=list(MlaMode),
+        prof_offset_words=PROF_OFFSET_WORDS,
+        prof_fields=PROF_FIELDS,
     )
 
 

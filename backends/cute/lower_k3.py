@@ -6,17 +6,17 @@ Layout adaptations the bodies need are made here with per-task scratch (never sh
                   with the task's rms_norm); the body wants equally strided sources
   kda_recurrent   one KDA row per batch row (items b * H + h are contiguous only within a row);
                   fp32 beta flagged in P1
-  moe_gate_up     the schedule tiles (batch row, slot); the EXPERT body covers every batch row
-                  of its slot, so the b0 = 0 tile of each slot does the work, the others keep
-                  only their waits/signal (no duplicate writes)
-  moe_down        EXPERT DOWN fuses moe_down with moe_combine (weighted fp32 sum): moe_down tasks
-                  keep their waits/signal only, the moe_combine op runs the fused body into
-                  per-task scratch (its consumers wait on moe_down's event, so order holds)
+  moe_gate_up / moe_down  one EXPERT row (GLU / DOWN) per slot of the task's (batch rows, slots,
+                  rows) tile: each task streams only its own tokens' experts
+  moe_combine     EW WSUM over the slots (fp32 routing weights); as the prologue of a GEMV group
+                  (combine -> rms_norm -> linear) each task sums the whole row into its scratch
   rms_norm of fp32  (lower.py) EW RMS, one head of the full width (RMSNORM streams bf16)
   mla_q_absorb    per-head GEMV over W_UK^T, a transposed copy of kv_b's key rows built at bind
                   time (const "mla_uk_t")
-  mla_v_up        fp32 o_lat -> bf16 scratch, then one GEMV per head over kv_b's value rows
+  mla_v_up        one GEMV per head over kv_b's value rows (o_lat is bf16, as FlashMLA writes it)
   mla_attention   q_pe copied to contiguous scratch; MLA PARTIAL (one chunk) then COMBINE
+  mla_attention_partial / attention_combine (split sequence, passes/tile.py): MLA PARTIAL over
+                  the task's chunks into the partials value; COMBINE of the task's heads, per batch row
   concat          EW COPY of each part at its column offset
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ from .plan import EwOp, ExpertMode, F32Flag, MlaMode, Opcode, TaskRow, f32_pair
 
 EW_K3 = ("conv_update", "l2_norm", "kda_gate", "gated_rms_norm")
 K3_OPS = set(EW_K3) | {"attn_res", "router", "kda_recurrent", "moe_gate_up", "moe_down", "moe_combine",
-                       "mla_q_absorb", "mla_v_up", "mla_attention", "concat"}
+                       "mla_q_absorb", "mla_v_up", "mla_attention", "mla_attention_partial", "attention_combine",
+                       "concat"}
 
 
 def _ew(t, sub, a=0, b=0, out=0, c=0, **kw):
@@ -106,26 +107,24 @@ class K3Lowering:
             return rows
         if kind == "attn_res":
             return self._attn_res(t, op, redirect)
-        if kind == "moe_gate_up":
-            x, ids, w1, w3 = ins
-            (b0, _), (j0, j1) = t.tile[0], t.tile[1]
-            if b0 != 0:
-                return []   # the b0 = 0 tile of this slot covers every batch row (module docstring)
-            hv, w1v = view(out), self.mem.regions[w1]
-            mx = w1v.dtype is DType.u8
-            inter, topk = hv.shape[2], hv.shape[1]
-            c0, c1 = t.tile[2]
-            return [(TaskRow(Opcode.EXPERT_MXFP4 if mx else Opcode.EXPERT_BF16, t.id, a0=off(w1), a1=off(x),
-                             a2=off(out) + 2 * j * inter, a3=self.mem.byte_offset(w1 + ".scale") if mx else 0,
-                             a4=off(ids), a5=off(w3), a6=self.mem.byte_offset(w3 + ".scale") if mx else 0,
-                             n0=c0, n1=c1, k=view(x).shape[-1], ldx=view(x).row_stride, ldy=hv.strides[0],
-                             aux=inter, sub=ExpertMode.GLU, p0=j, p1=topk),
-                     ("a0", "a1", "a2", "a3", "a4", "a5", "a6") if mx else ("a0", "a1", "a2", "a4", "a5"))
-                    for j in range(j0, j1)]
-        if kind == "moe_down":
-            return []       # fused into moe_combine (module docstring)
+        if kind in ("moe_gate_up", "moe_down"):
+            return self._expert(t, op, redirect)
         if kind == "moe_combine":
-            return self._moe_combine(t, op, redirect)
+            y, rw = ins
+            yv, rv, o = view(y), view(rw), view(out)
+            if yv.dtype is not DType.f32 or rv.dtype is not DType.f32 or rv.strides != (yv.shape[1], 1):
+                raise self.error(f"moe_combine %{out}: needs fp32 slot rows and contiguous fp32 weights")
+            if anchor is not None and anchor is not op:
+                # a prologue of a GEMV group (-> rms_norm -> linear): every tile needs the whole
+                # row, so each task sums all columns into its own scratch (never the shared value)
+                dst = self._scratch(f"scratch.t{t.id}.{out}", DType.f32, (self.B, o.shape[-1]))
+                redirect[out] = dst
+                o, cols = self.mem.view(dst), (0, o.shape[-1])
+            if cols[1] <= cols[0]:
+                return []
+            return [(_ew(t, EwOp.WSUM, off(y), off(rw), off(out), n0=cols[0], n1=cols[1], ldx=yv.strides[0],
+                         ldy=o.row_stride, p0=yv.strides[1], p1=self._flags(a=yv, o=o), p2=yv.shape[1]),
+                     ("a0", "a1", "a2"))]
         if kind == "concat":
             if int(at.get("dim", -1)) not in (-1, len(view(out).shape) - 1):
                 raise self.error(f"concat %{out}: only the last dim")
@@ -152,18 +151,23 @@ class K3Lowering:
             ol, kvb = ins
             h, nope, lora, vd = (int(at[k]) for k in ("heads", "nope", "kv_lora", "v_dim"))
             olv, o = view(ol), view(out)
-            rows, xname = [], ol
-            if olv.dtype is not DType.bf16:
-                xname = self._scratch(f"scratch.t{t.id}.{ol}.bf16", DType.bf16, (self.B, h * lora))
-                rows += self._copy_rows(t, off(ol), olv, self.mem.byte_offset(xname), h * lora, DType.bf16, h * lora)
-            xo = self.mem.byte_offset(xname)
-            for hh in range(h):
-                rows.append((TaskRow(Opcode.GEMV_BF16, t.id, a0=off(kvb) + 2 * (hh * (nope + vd) + nope) * lora,
-                                     a1=xo + 2 * hh * lora, a2=off(out) + 2 * hh * vd, n0=0, n1=vd, k=lora,
-                                     ldx=h * lora, ldy=o.row_stride), ("a0", "a1", "a2")))
-            return rows
+            if olv.dtype is not DType.bf16 or olv.strides[1:] != (lora, 1):
+                raise self.error(f"mla_v_up %{out}: o_lat must be bf16 with contiguous heads")
+            return [(TaskRow(Opcode.GEMV_BF16, t.id, a0=off(kvb) + 2 * (hh * (nope + vd) + nope) * lora,
+                             a1=off(ol) + 2 * hh * lora, a2=off(out) + 2 * hh * vd, n0=0, n1=vd, k=lora,
+                             ldx=olv.strides[0], ldy=o.row_stride), ("a0", "a1", "a2"))
+                    for hh in range(h)]
         if kind == "mla_attention":
             return self._mla(t, op, redirect)
+        if kind == "mla_attention_partial":
+            return self._mla(t, op, redirect, chunks=(t.tile[0][0], t.tile[0][1], int(at["chunks"])))
+        if kind == "attention_combine":
+            pv = view(ins[0])
+            S, B, H, W = pv.shape
+            h0, h1 = t.tile[1]
+            return [(TaskRow(Opcode.MLA, t.id, a0=off(ins[0]), a2=off(out), n0=b * H + h0, n1=b * H + h1,
+                             k=W - 2, ldy=H, p0=B * H, p1=S, sub=MlaMode.COMBINE), ("a0", "a2"))
+                    for b in range(B)]
         raise self.error(f"no megakernel task body for op '{kind}' (%{out})")
 
     # -- helpers ------------------------------------------------------------------------------
@@ -199,29 +203,44 @@ class K3Lowering:
                          ("a0", "a1", "a2", "a5", "a6", "a7")))
         return rows
 
-    def _moe_combine(self, t, op, redirect):
-        down, rw = (v.name for v in op.inputs)
-        dop = next(o for o in self.s.graph.ops if o.outputs[0].name == down)
-        if dop.opname != "moe_down":
-            raise self.error(f"moe_combine %{op.outputs[0].name}: input is not moe_down")
-        h, ids, w2 = (v.name for v in dop.inputs)
+    def _expert(self, t, op, redirect):
+        """moe_gate_up (GLU) / moe_down (DOWN): one EXPERT row per slot of the task's
+        (batch rows, slots, output rows) tile; each writes its slot's rows of the result."""
+        glu = op.opname == "moe_gate_up"
+        x, ids, w = (v.name for v in op.inputs[:3])
         out = op.outputs[0].name
-        dst = self._scratch(f"scratch.t{t.id}.{out}", DType.f32, (self.B, self._v(out, redirect).shape[-1]))
-        redirect[out] = dst
-        hv, w2r = self._v(h, {}), self.mem.regions[w2]
-        mx = w2r.dtype is DType.u8
-        d = w2r.shape[1]
-        off = lambda n: self._off(n, {})  # noqa: E731
-        return [(TaskRow(Opcode.EXPERT_MXFP4 if mx else Opcode.EXPERT_BF16, t.id, a0=off(w2), a1=off(h),
-                         a2=self.mem.byte_offset(dst), a3=self.mem.byte_offset(w2 + ".scale") if mx else 0,
-                         a4=off(ids), a7=off(rw), n0=0, n1=d, k=hv.shape[-1], ldx=hv.strides[0], ldy=d, aux=d,
-                         sub=ExpertMode.DOWN, p1=hv.shape[1]),
-                 ("a0", "a1", "a2", "a3", "a4", "a7") if mx else ("a0", "a1", "a2", "a4", "a7"))]
+        off = lambda n: self._off(n, redirect)  # noqa: E731
+        xv, ov, wr = self._v(x, redirect), self._v(out, redirect), self.mem.regions[w]
+        mx = wr.dtype is DType.u8
+        (b0, b1), (j0, j1), (c0, c1) = t.tile[0], t.tile[1], t.tile[2]
+        topk, rows_e = ov.shape[1], ov.shape[2]
+        k = xv.shape[-1]
+        if ov.strides[1:] != (rows_e, 1) or xv.strides[-1] != 1 or (not glu and xv.strides[1] != k):
+            raise self.error(f"{op.opname} %{out}: needs contiguous slot rows")
+        osz, xsz = (2 if glu else 4), 2
+        fields = ["a0", "a1", "a2", "a4"] + (["a3"] if mx else []) + (["a5"] + (["a6"] if mx else []) if glu else [])
+        rows = []
+        for j in range(j0, j1):
+            w3 = op.inputs[3].name if glu else None
+            rows.append((TaskRow(Opcode.EXPERT_MXFP4 if mx else Opcode.EXPERT_BF16, t.id, a0=off(w),
+                                 a1=off(x) + (0 if glu else xsz * j * k), a2=off(out) + osz * j * rows_e,
+                                 a3=self.mem.byte_offset(w + ".scale") if mx else 0, a4=off(ids),
+                                 a5=off(w3) if glu else 0,
+                                 a6=self.mem.byte_offset(w3 + ".scale") if glu and mx else 0,
+                                 n0=c0, n1=c1, k=k, ldx=xv.strides[0], ldy=ov.strides[0], aux=rows_e,
+                                 sub=ExpertMode.GLU if glu else ExpertMode.DOWN, p0=j, p1=topk,
+                                 p2=(b0 << 16) | b1), tuple(fields)))
+        return rows
 
-    def _mla(self, t, op, redirect):
+    def _mla(self, t, op, redirect, chunks=None):
+        """MLA PARTIAL rows (+ COMBINE for an unsplit mla_attention). `chunks` = (c0, c1, S) for
+        a split-sequence partial task: chunks c0..c1 of S, written to the partials value."""
         ql, qpe, cache, pos = (v.name for v in op.inputs)
         at = op.attrs
         h, rope, lora = int(at["heads"]), int(at["rope"]), int(at["kv_lora"])
+        if tuple(t.tile[1]) != (0, h) and chunks is None:   # the PARTIAL body covers every head
+            raise self.error(f"mla_attention %{op.outputs[0].name} tiled over heads {t.tile[1]}: "
+                             "only whole-head tiles are supported")
         off = lambda n: self._off(n, redirect)  # noqa: E731
         rows = []
         qv = self._v(qpe, redirect)
@@ -229,15 +248,21 @@ class K3Lowering:
         for hh in range(h):
             rows += self._copy_rows(t, off(qpe) + 2 * hh * qv.strides[1], qv, self.mem.byte_offset(qc) + 2 * hh * rope,
                                     rope, DType.bf16, h * rope, ldx=qv.strides[0])
-        chunks = 1
-        part = self._scratch(f"scratch.t{t.id}.mla_partials", DType.f32, (chunks, self.B, h, lora + 2))
+        c0, c1, S = chunks or (0, 1, 1)
+        if chunks is None:
+            part = self.mem.byte_offset(self._scratch(f"scratch.t{t.id}.mla_partials", DType.f32,
+                                                      (S, self.B, h, lora + 2)))
+        else:
+            part = off(op.outputs[0].name)
         cv = self._v(cache, redirect)
-        common = dict(k=lora, ldx=cv.shape[1], ldy=h, p0=self.B * h, p1=chunks, p2=rope,
+        common = dict(k=lora, ldx=cv.shape[1], ldy=h, p0=self.B * h, p1=S, p2=rope,
                       aux=f32_pair(float(at["scale"])))
         rows.append((TaskRow(Opcode.MLA, t.id, a0=off(ql), a1=self.mem.byte_offset(qc), a3=off(cache), a4=off(pos),
-                             a2=self.mem.byte_offset(part), n0=0, n1=chunks * self.B, sub=MlaMode.PARTIAL, **common),
+                             a2=part, n0=c0 * self.B, n1=c1 * self.B, sub=MlaMode.PARTIAL, **common),
                      ("a0", "a1", "a2", "a3", "a4")))
-        rows.append((TaskRow(Opcode.MLA, t.id, a0=self.mem.byte_offset(part), a2=off(op.outputs[0].name), n0=0,
+        if chunks is not None:
+            return rows
+        rows.append((TaskRow(Opcode.MLA, t.id, a0=part, a2=off(op.outputs[0].name), n0=0,
                              n1=self.B * h, sub=MlaMode.COMBINE, **common), ("a0", "a2")))
         return rows
 

@@ -5,7 +5,9 @@ backend: it builds `TaskRow`s, assigns them to per-CTA queues and wraps them in 
 The code generator only renders the plan (templates loop over it); the runtime only encodes it.
 
 Compile-time part (changes the generated kernel): `opcodes` used, `threads`, `batch`,
-`unroll`, `rows_per_warp`, `num_ctas`, `spin_timeout_ns`, `relaxed_spin` (planted bug for the PTX audit).
+`unroll`, `rows_per_warp`, `num_ctas`, `spin_timeout_ns`, `relaxed_spin` (planted bug for the PTX audit),
+`delay_ns` (delay injection: every task sleeps before its body, so producers write late) and
+`profile` (per-row timestamps after the error words, see `PROF_OFFSET_WORDS`).
 Run-time part (lives in device memory, never recompiles): the task table and the queues.
 
 Task table: int64 tensor [num_tasks, ROW_WORDS], rows grouped by CTA so that CTA c walks rows
@@ -31,11 +33,12 @@ queue[c, 0] .. queue[c, 1] - 1 (queue is int32 [num_ctas, 2]). Word layout of on
   16    A4             EXPERT_*: router ids int32 [B, P1]
   17    A5             EXPERT_*: second weight (up, GLU mode)
   18    A6             EXPERT_MXFP4: scales of the second weight
-  19    A7             EXPERT_*: routing weights fp32 [B, P1] (DOWN mode)
+  19    A7             ATTN_RES: rms_norm output (see Opcode)
   20    SUB            sub-opcode (`ExpertMode` for EXPERT_*, `EwOp` for EW)
-  21    P0             EXPERT_*: slot j (GLU); EW: row stride of operand A1; ROUTER: top-k
+  21    P0             EXPERT_*: slot j; EW: row stride of operand A1; ROUTER: top-k
   22    P1             EXPERT_*: top-k (row stride of ids/weights); EW: `F32Flag` bits
-  23    P2             EW: head_dim (L2_NORM, GATED_RMS, KDA_GATE per head), conv width (CONV)
+  23    P2             EW: head_dim (L2_NORM, GATED_RMS, KDA_GATE per head), conv width (CONV), slots (WSUM);
+                       EXPERT_*: batch rows b0 << 16 | b1
 
 Events are int32 counters that only grow: nothing is reset between steps, so one launch per
 step (or one CUDA-graph replay) is enough. A task that needs several waits is preceded in its
@@ -95,6 +98,10 @@ class ErrWord(enum.IntEnum):
 
 
 ERR_WORDS = 8
+# Profile mode: int64 [num_tasks, 3] (wait start, body start, body end; globaltimer ns) follows
+# the error words at this int32 offset (the runtime sizes the buffer; no extra kernel argument).
+PROF_OFFSET_WORDS = 16
+PROF_FIELDS = 3
 
 
 class Opcode(enum.IntEnum):
@@ -109,13 +116,13 @@ class Opcode(enum.IntEnum):
     RMSNORM    out[b, :] = x[b, :] * rsqrt(mean(x[b, :]^2) + eps) * gamma for b in [N0, N1);
                A0 = x bf16 [.., LDX], A1 = gamma bf16 [K], A2 = out bf16 [.., LDY], AUX = eps.
 
-    EXPERT_BF16  routed expert GEMV, expert id read from A4 at run time after the wait (V3).
+    EXPERT_BF16  routed expert GEMV of slot P0 for batch rows P2 >> 16 .. P2 & 0xFFFF, expert id
+               e = ids[b, P0] read from A4 (int32 [B, P1]) at run time after the wait (V3).
                Weight rows of expert e start at A0 + e * AUX rows (AUX = rows per expert).
-               GLU mode: h[b, n] = situ_glu(x[b].Wg[e, n], x[b].Wu[e, n]) with e = ids[b, P0],
-               Wg = A0, Wu = A5, x = A1 [B, LDX], h = A2 [B, LDY] bf16 (A2 points at slot P0).
-               DOWN mode: out[b, n] = sum_j rw[b, j] * h[b, j].W[ids[b, j], n] in fp32
-               (moe_down + moe_combine), h row (b, j) at A1 + (b * LDX + j * K), rw = A7 fp32,
-               out = A2 fp32 [B, LDY]. P1 = top-k. Ids < 0 (other EP rank) contribute zero.
+               GLU mode: h[b, n] = situ_glu(x[b].Wg[e, n], x[b].Wu[e, n]), Wg = A0, Wu = A5,
+               x = A1 [B, LDX], h = A2 [B, LDY] bf16 (A2 points at slot P0).
+               DOWN mode: y[b, n] = h[b].W[e, n] in fp32 (moe_down), h = A1 [B, LDX] bf16 and
+               y = A2 [B, LDY] fp32 (both pointing at slot P0). Ids < 0 (other EP rank) store 0.
     EXPERT_MXFP4 same with MXFP4 weights; A3 / A6 = e8m0 scales of A0 / A5.
     EW         elementwise / per-head epilogues, sub-opcode `EwOp` in SUB, columns N0..N1 of every
                batch row: A0 = a [B, LDX], A1 = b [B, P0] (P0 = 0 broadcasts a vector),
@@ -141,7 +148,7 @@ class Opcode(enum.IntEnum):
                q_pe A1 bf16 [B, H, P2], cache A3 bf16 [B, LDX, K + P2], pos A4 int32 [B],
                partials A2 fp32 [P1, B, H, K + 2] = [o / l, m, l]; LDY = H, P0 = B * H,
                P1 = chunks, AUX = f32_pair(scale). COMBINE (attention_combine): items (b, h) in
-               N0..N1, A0 = partials, A2 = o fp32 [B, H, K]. K <= 512, P2 <= 64; all contiguous.
+               N0..N1, A0 = partials, A2 = o bf16 [B, H, K]. K <= 512, P2 <= 64; all contiguous.
     ATTENTION  grouped-query decode attention (IR op attention), one warp per item i = b * H + h
                in N0..N1: q A0 bf16 [B, LDX] (head h at column h * K), caches A1 (k) and A5 (v)
                bf16 [B, L, KVH * K] with contiguous rows and batch stride P1 elements, P0 = H,
@@ -173,7 +180,7 @@ class ExpertMode(enum.IntEnum):
     """SUB word of EXPERT_* rows."""
 
     GLU = 0    # fused gate/up + SiTU-GLU for slot P0
-    DOWN = 1   # down projection + weighted fp32 combine over all top-k slots
+    DOWN = 1   # down projection of slot P0, fp32 (moe_combine is an EW WSUM row)
 
 
 class EwOp(enum.IntEnum):
@@ -197,6 +204,8 @@ class EwOp(enum.IntEnum):
                      # stride (read after the wait, V3)                          [embedding]
     COPY = 12        # a converted to the out dtype                              [cast]
     RMS = 13         # per head of P2: rms(a) * A3[c % P2] (rms_norm of an fp32 input) [rms_norm]
+    WSUM = 14        # sum_j<P2 b[b, j] a[b, j, c]: a = slot rows at stride P0 (elements), b = A1
+                     # fp32 [B, P2] routing weights                              [moe_combine]
 
 
 # EW sub-opcodes handled one warp per head (a reduction), the rest one thread per element.
@@ -313,6 +322,10 @@ class KernelPlan:
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
+    # Delay injection: before its body, task t sleeps delay_ns * (1 + (t * 7919) % 8) / 8, so
+    # producers write late and in a reshuffled order; a missing wait then reads stale data.
+    delay_ns: int = 0
+    profile: bool = False       # record per-row timestamps (PROF_OFFSET_WORDS)
     mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
 

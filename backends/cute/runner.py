@@ -42,7 +42,7 @@ class CuteRunner:
             raise ValueError("backend 'cute' computes in bf16 (fp32 accumulation); use precision='bf16'")
         if not str(device).startswith("cuda"):
             raise ValueError("backend 'cute' needs device='cuda'")
-        self.graph, self.dims = graph, dims
+        self.graph, self.dims, self.device = graph, dims, device
         self.program, self.lowered = lower_graph(graph, int(dims["B"]), int(dims["L"]))
         g = self.program.graph
         self.mem = self.lowered.memory.bind(device)
@@ -53,6 +53,18 @@ class CuteRunner:
         self.plan = self.lowered.plan(base=self.mem.base, **(plan_options or {}))
         self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device)
         self.reset()
+
+    def lowered_reference(self, device=None):
+        """A ReferenceRunner over the graph this kernel runs (after canonicalize, fuse and tile),
+        reading the arena's own weights (no copy on the kernel's device): the oracle with the
+        kernel's rounding points. That those passes preserve the model is tested separately, in
+        fp32 (tests/test_mla_absorb.py, tests/test_passes_graph.py)."""
+        from fusec.api import ReferenceRunner
+
+        from .bisect import arena_weights
+
+        g = self.program.graph
+        return ReferenceRunner(g, arena_weights(g, self.mem), self.dims, device or self.device, "bf16")
 
     def reset(self) -> None:
         for n in self.state_names:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from .plan import ERR_WORDS, ROW_WORDS, ErrWord, KernelPlan
+from .plan import ERR_WORDS, PROF_FIELDS, PROF_OFFSET_WORDS, ROW_WORDS, ErrWord, KernelPlan
 
 
 class MegakernelTimeout(RuntimeError):
@@ -41,7 +41,9 @@ class Megakernel:
         self.device = torch.device(device)
         self.compiled, self.module_path, _ = compile_plan(plan, out_dir)
         self.events = torch.zeros(max(1, plan.num_events), dtype=torch.int32, device=device)
-        self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=device)
+        # Profile mode keeps int64 [tasks, PROF_FIELDS] timestamps after the error words.
+        words = PROF_OFFSET_WORDS + 2 * PROF_FIELDS * max(1, len(plan.tasks)) if plan.profile else ERR_WORDS
+        self.err = torch.zeros(words, dtype=torch.int32, device=device)
         self.step_buf = torch.zeros(1, dtype=torch.int32, device=device)
         self.steps_launched = 0
         self.set_tasks(plan)
@@ -81,9 +83,23 @@ class Megakernel:
         self.launch()
         self.steps_launched += 1
 
+    def profile(self):
+        """Profile mode: int64 [tasks, 3] (wait start, body start, body end; globaltimer ns) of the
+        last step, indexed like plan.tasks."""
+        import torch
+
+        if not self.plan.profile:
+            raise ValueError("plan was built without profile=True")
+        table = self.err[PROF_OFFSET_WORDS:].view(torch.int64).reshape(-1, PROF_FIELDS)[:self.num_tasks]
+        # The kernel stamps table rows, which are laid out queue after queue: back to plan order.
+        order = torch.tensor([i for q in self.plan.queues for i in q], dtype=torch.long, device=table.device)
+        out = torch.empty_like(table)
+        out[order] = table
+        return out
+
     def error(self) -> dict | None:
         """The recorded wait timeout (synchronizes), or None."""
-        e = self.err.tolist()
+        e = self.err[:ERR_WORDS].tolist()
         if e[ErrWord.FLAG] == 0:
             return None
         return {f.name.lower(): e[f] for f in ErrWord if f != ErrWord.FLAG}
@@ -95,7 +111,7 @@ class Megakernel:
             raise MegakernelTimeout(info)
 
     def reset_error(self) -> None:
-        self.err.zero_()
+        self.err[:ERR_WORDS].zero_()
 
     def capture_graph(self, steps: int = 1):
         """A torch.cuda.CUDAGraph of `steps` x (step counter += 1, launch)."""

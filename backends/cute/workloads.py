@@ -67,29 +67,43 @@ def expert_glu_tasks(x, ids, w1, w3, h, tiles_per_slot: int, first_id: int = 0, 
                                 a3=s1.data_ptr() if s1 is not None else 0, a4=ids.data_ptr(),
                                 a5=d3.data_ptr(), a6=s3.data_ptr() if s3 is not None else 0,
                                 n0=n0, n1=n1, k=x.shape[1], ldx=x.stride(0), ldy=h.stride(0),
-                                aux=inter, sub=ExpertMode.GLU, p0=j, p1=topk, **_wait_kw(wait, signal)))
+                                aux=inter, sub=ExpertMode.GLU, p0=j, p1=topk, p2=x.shape[0],
+                                **_wait_kw(wait, signal)))
             tid += 1
     assert e == d3.shape[0]
     return rows
 
 
-def expert_down_tasks(h, ids, weights, w2, out, tiles: int, first_id: int = 0, *,
+def expert_down_tasks(h, ids, w2, y, tiles_per_slot: int, first_id: int = 0, *,
                       wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
-    """moe_down + moe_combine: out[b] = sum_j weights[b, j] h[b, j] W2[ids[b, j]]^T (fp32 out).
+    """moe_down: y[b, j] = h[b, j] W2[ids[b, j]]^T in fp32, one task per (slot j, row tile).
 
-    h bf16 [B, k, I] contiguous per row; w2 bf16 [E, D, I] or MXFP4Tensor; out fp32 [B, D].
+    h bf16 [B, k, I] and y fp32 [B, k, D], contiguous per slot; w2 bf16 [E, D, I] or MXFP4Tensor.
     """
     d2, s2 = _mx(w2)
     op = Opcode.EXPERT_MXFP4 if s2 is not None else Opcode.EXPERT_BF16
-    assert h.stride(1) == h.shape[2] and h.stride(2) == 1, "h rows must be contiguous"
-    rows = []
-    for i, (n0, n1) in enumerate(split_rows(d2.shape[1], tiles)):
-        rows.append(TaskRow(op, first_id + i, a0=d2.data_ptr(), a1=h.data_ptr(), a2=out.data_ptr(),
-                            a3=s2.data_ptr() if s2 is not None else 0, a4=ids.data_ptr(),
-                            a7=weights.data_ptr(), n0=n0, n1=n1, k=h.shape[2], ldx=h.stride(0),
-                            ldy=out.stride(0), aux=d2.shape[1], sub=ExpertMode.DOWN,
-                            p1=ids.shape[1], **_wait_kw(wait, signal)))
+    assert h.stride(2) == 1 and h.stride(1) == h.shape[2] and y.stride(1) == y.shape[2], "slot rows must be contiguous"
+    rows, tid = [], first_id
+    for j in range(ids.shape[1]):
+        for n0, n1 in split_rows(d2.shape[1], tiles_per_slot):
+            rows.append(TaskRow(op, tid, a0=d2.data_ptr(), a1=h[:, j].data_ptr(), a2=y[:, j].data_ptr(),
+                                a3=s2.data_ptr() if s2 is not None else 0, a4=ids.data_ptr(),
+                                n0=n0, n1=n1, k=h.shape[2], ldx=h.stride(0), ldy=y.stride(0),
+                                aux=d2.shape[1], sub=ExpertMode.DOWN, p0=j, p1=ids.shape[1],
+                                p2=h.shape[0], **_wait_kw(wait, signal)))
+            tid += 1
     return rows
+
+
+def wsum_task(y, weights, out, task_id: int, *, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> TaskRow:
+    """moe_combine: out[b] = sum_j weights[b, j] y[b, j] (y fp32 [B, k, D], weights fp32 [B, k])."""
+    import torch
+
+    assert y.dtype == torch.float32 and weights.dtype == torch.float32 and weights.is_contiguous()
+    return TaskRow(Opcode.EW, task_id, a0=y.data_ptr(), a1=weights.data_ptr(), a2=out.data_ptr(), n0=0,
+                   n1=y.shape[2], ldx=y.stride(0), ldy=out.stride(0), sub=EwOp.WSUM, p0=y.stride(1),
+                   p1=_f32_flag(y, F32Flag.A0) | _f32_flag(out, F32Flag.OUT), p2=y.shape[1],
+                   **_wait_kw(wait, signal))
 
 
 def _f32_flag(t, flag) -> int:
@@ -174,7 +188,7 @@ def mla_tasks(q_lat, q_pe, cache, pos, partials, out, scale: float, first_id: in
               combine_items: int = 32, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> tuple[list, list]:
     """mla_attention_partial (one task per (chunk, batch)) and attention_combine (tasks of
     `combine_items` (b, h) items). q_lat bf16 [B, H, lora], q_pe bf16 [B, H, rope], cache bf16
-    [B, L, lora + rope], pos int32 [B], partials fp32 [S, B, H, lora + 2], out fp32 [B, H, lora].
+    [B, L, lora + rope], pos int32 [B], partials fp32 [S, B, H, lora + 2], out bf16 [B, H, lora].
     Returns (partial rows, combine rows): combine must wait for every partial row."""
     b, h, lora = q_lat.shape
     s, rope = partials.shape[0], q_pe.shape[2]

@@ -59,8 +59,11 @@ def prepare_weights(graph: Graph, weights: Mapping, precision: str = "bf16", dev
 
 
 def execute(graph: Graph, weights: Mapping, state: Mapping, inputs: Mapping[str, torch.Tensor],
-            dims: Mapping[str, int], precision: str = "bf16") -> dict[str, object]:
-    """Evaluate every op; returns the environment of all values by name. Nothing is mutated."""
+            dims: Mapping[str, int], precision: str = "bf16", hook=None) -> dict[str, object]:
+    """Evaluate every op; returns the environment of all values by name. Nothing is mutated.
+
+    `hook(op, inputs, outputs) -> outputs`, if given, sees (and may replace) each op's results,
+    e.g. to follow another executor's expert choices at router near-ties (backends/cute/bisect.py)."""
     env: dict[str, object] = {}
     for v in graph.params:
         if v.kind is Kind.weight:
@@ -75,16 +78,19 @@ def execute(graph: Graph, weights: Mapping, state: Mapping, inputs: Mapping[str,
                 raise ExecError(f"input {v.name} has shape {tuple(t.shape)}, expected {list(v.type.concrete(dims))}")
             env[v.name] = t.to(torch_dtype(v.type.dtype, precision))
     for op in graph.ops:
-        outs = op.opdef.ref([env[v.name] for v in op.inputs], op.attrs)
+        ins = [env[v.name] for v in op.inputs]
+        outs = op.opdef.ref(ins, op.attrs)
+        if hook is not None:
+            outs = hook(op, ins, outs)
         for v, t in zip(op.outputs, outs):
             env[v.name] = store(t, v.type, precision)
     return env
 
 
 def run_step(graph: Graph, weights: Mapping, state: dict, inputs: Mapping[str, torch.Tensor],
-             dims: Mapping[str, int], precision: str = "bf16") -> list[torch.Tensor]:
+             dims: Mapping[str, int], precision: str = "bf16", hook=None) -> list[torch.Tensor]:
     """One decode step. Mutates `state` to the post-step values; returns the graph outputs."""
-    env = execute(graph, weights, state, inputs, dims, precision)
+    env = execute(graph, weights, state, inputs, dims, precision, hook)
     for name, v in graph.updates.items():
         state[name] = env[v.name]
     return [env[v.name] for v in graph.outputs]

@@ -228,7 +228,8 @@ def _mla_attn_infer(ts, at):
     need_dim(q_lat.shape[1:], (h, lora), "mla_attention", "q_lat [B, H, kv_lora]")
     need_dim(q_pe.shape[1:], (h, rope), "mla_attention", "q_pe [B, H, rope]")
     need_dim(cache.shape[2], lora + rope, "mla_attention", "cache row width")
-    return [act((q_lat.shape[0], h, lora), DType.f32)]
+    # bf16 like FlashMLA's output, which the bf16 W_UV GEMM (mla_v_up) then reads.
+    return [act((q_lat.shape[0], h, lora), DType.bf16)]
 
 
 def _mla_attn_ref(a, at):
@@ -389,7 +390,8 @@ def _combine_parts_infer(ts, at):
     (p,) = ts
     need_rank(p, 4, "attention_combine", "partials [S, B, H, D+2]")
     need(isinstance(p.shape[3], int) and p.shape[3] > 2, "attention_combine", "partial rows too narrow")
-    return [act((p.shape[1], p.shape[2], p.shape[3] - 2), DType.f32)]
+    # bf16: it replaces the attention op it was split from (split_sequence), whose result is bf16.
+    return [act((p.shape[1], p.shape[2], p.shape[3] - 2), DType.bf16)]
 
 
 def _combine_parts_ref(a, at):

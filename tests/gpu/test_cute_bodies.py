@@ -44,10 +44,13 @@ def test_k3_bodies_match_registry(batch):
     outs = []
     for i, (a1, a3, a2) in enumerate(((w1, w3, w2), q)):
         h = torch.full((batch, k, inter), float("nan"), device="cuda", dtype=BF)
-        y = torch.full((batch, d), float("nan"), device="cuda")
+        y = torch.full((batch, k, d), float("nan"), device="cuda")
         tasks += wl.expert_glu_tasks(x, ids, a1, a3, h, 3, 100 + 100 * i)
-        tasks += wl.expert_down_tasks(hin, ids, cw, a2, y, 5, 150 + 100 * i)
+        tasks += wl.expert_down_tasks(hin, ids, a2, y, 2, 150 + 100 * i)
         outs.append((h, y, a1, a3, a2))
+    # moe_combine (EW WSUM) on its own input.
+    yin, comb = r(batch, k, d), torch.full((batch, d), float("nan"), device="cuda")
+    tasks.append(wl.wsum_task(yin, cw, comb, 390))
     # EW: residual add, a per-head L2 norm and the in-place conv update.
     a, b = r(batch, 256).to(BF), r(batch, 256).to(BF)
     add_o, l2_o, cy = (torch.full((batch, 256), float("nan"), device="cuda", dtype=BF) for _ in range(3))
@@ -67,8 +70,10 @@ def test_k3_bodies_match_registry(batch):
     for h, y, a1, a3, a2 in outs:
         assert wl.rel_err(h, ref("moe_gate_up", (x, ids, a1, a3), ep_ranks=1)[0]) < 2e-2
         assert bool((h[-1, 1] == 0).all())
-        y_ref = ref("moe_combine", (ref("moe_down", (hin, ids, a2), ep_ranks=1)[0], cw))[0]
+        y_ref = ref("moe_down", (hin, ids, a2), ep_ranks=1)[0]
         assert wl.rel_err(y, y_ref) < 2e-2
+        assert bool((y[-1, 1] == 0).all())                    # the other rank's expert: zero
+    assert wl.rel_err(comb, ref("moe_combine", (yin, cw))[0]) < 1e-5
     assert wl.rel_err(add_o, ref("add", (a, b), out_dtype="")[0]) < 2e-2
     assert wl.rel_err(l2_o, ref("l2_norm", (a,), head_dim=64, scale=0.125, eps=1e-6)[0]) < 2e-2
     c_y, c_state = ref("conv_update", (a, cst0, cwt))
@@ -118,7 +123,7 @@ def test_mla_split_sequence_matches_registry(batch):
     cache = r(batch, length, lora + rope).to(BF)
     pos = torch.tensor([25, 3, 39, 0][:batch], device="cuda", dtype=torch.int32)
     parts = torch.full((chunks, batch, h, lora + 2), float("nan"), device="cuda")
-    out = torch.full((batch, h, lora), float("nan"), device="cuda")
+    out = torch.full((batch, h, lora), float("nan"), device="cuda", dtype=BF)   # bf16 like the IR's o_lat
     at = dict(heads=h, nope=128, rope=rope, kv_lora=lora, v_dim=128, scale=0.07)
     part, comb = wl.mla_tasks(q_lat, q_pe, cache, pos, parts, out, 0.07, 0, signal=0)
     import dataclasses

@@ -1,0 +1,170 @@
+"""Per-op check of one megakernel step against the registry references (GPU debugging aid).
+
+Every value of the lowered graph has its own arena region (memory.py never reuses one), so after
+one step the arena holds every intermediate the kernel wrote. For each op in program order this
+recomputes the op's registry reference from the *kernel's own* inputs and compares it with what
+the kernel wrote: the local error of each task body, free of drift from upstream ops. Beside it,
+the end-to-end error against a reference step started from the same state shows where drift
+accumulates.
+
+    rows = bisect_step(graph, bound, step_fn, {"tokens": t, "pos": p}, dims)
+    print(format_report(rows))
+
+Activation and scratch regions are filled with 0xFF bytes before the step (NaN for floats, -1 for
+ints), so a value the kernel never writes shows as `unwritten` (a fused value that lives only in
+per-task scratch) and a half-written one as `partial`. Where a value is unwritten, its local
+reference stands in for it downstream. State operands come from a snapshot taken before the step
+(in-place updates overwrite their regions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from fusec.ir.graph import Graph
+from fusec.ir.types import DType, Kind
+
+_UNTOUCHED = (Kind.weight, Kind.state, Kind.io)
+
+
+@dataclass(frozen=True)
+class OpCheck:
+    index: int          # position in graph.ops
+    op: str             # IR op name
+    value: str          # result value
+    status: str         # ok | unwritten | partial
+    local: float        # rel error vs the op's reference on the kernel's inputs (ints: mismatch fraction)
+    e2e: float          # rel error vs a whole reference step from the same state
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (ints: fraction of differing elements)."""
+    if not out.dtype.is_floating_point:
+        return float((out != ref).double().mean()) if out.numel() else 0.0
+    o, r = out.double(), ref.double()
+    if not bool(o.isfinite().all()):
+        return float("inf")
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+def _written(t) -> str:
+    bad = t.isnan() if t.dtype.is_floating_point else (t == -1)
+    n = int(bad.sum())
+    return "ok" if n == 0 else ("unwritten" if n == t.numel() else "partial")
+
+
+def arena_weights(graph: Graph, bound) -> dict:
+    """The weights exactly as the kernel reads them (MXFP4 rebuilt from its packed/scale regions)."""
+    from fusec.ir.quant import MXFP4Tensor
+
+    out = {}
+    for v in graph.weights():
+        if v.type.dtype is DType.mxfp4:
+            out[v.name] = MXFP4Tensor(bound.tensor(v.name), bound.tensor(v.name + ".scale"))
+        else:
+            out[v.name] = bound.tensor(v.name)
+    return out
+
+
+def poison_activations(bound) -> None:
+    """0xFF over every region the step writes (activations, scratch): NaN / -1 until written."""
+    for r in bound.plan.regions.values():
+        if r.kind not in _UNTOUCHED:
+            bound.arena[r.offset:r.offset + r.nbytes].fill_(0xFF)
+
+
+def bisect_step(graph: Graph, bound, step_fn: Callable[[], None], inputs: Mapping, dims: Mapping) -> list[OpCheck]:
+    """Run one step through `step_fn` (which must read `inputs` from the arena) and check each op."""
+    import torch
+
+    from fusec.backends.reference.executor import execute, store
+
+    with torch.no_grad():
+        for name, t in inputs.items():
+            bound.tensor(name).copy_(t)
+        state = {v.name: bound.tensor(v.name).clone() for v in graph.states()}
+        weights = arena_weights(graph, bound)
+        ins = {name: bound.tensor(name).clone() for name in inputs}
+        poison_activations(bound)
+        step_fn()
+        ref = execute(graph, weights, state, ins, dims, "bf16")
+        local: dict[str, object] = {**weights, **state, **ins}
+        rows = []
+        for i, op in enumerate(graph.ops):
+            outs = op.opdef.ref([local[v.name] for v in op.inputs], op.attrs)
+            for v, t in zip(op.outputs, outs):
+                want = store(t, v.type, "bf16")
+                got = bound.tensor(v.name).clone()
+                status = _written(got)
+                if status == "unwritten":
+                    local[v.name] = want
+                    rows.append(OpCheck(i, op.opname, v.name, status, float("nan"), float("nan")))
+                    continue
+                local[v.name] = got
+                rows.append(OpCheck(i, op.opname, v.name, status, rel_err(got, want), rel_err(got, ref[v.name])))
+    return rows
+
+
+def format_report(rows: list[OpCheck], threshold: float = 1e-2, limit: int = 40) -> str:
+    """The first ops whose local error exceeds `threshold` (or that are partial), then the worst
+    local error per op kind, then where end-to-end drift first exceeds the threshold."""
+    bad = [r for r in rows if r.status == "partial" or (r.status == "ok" and not r.local <= threshold)]
+    lines = [f"{len(rows)} values checked, {sum(r.status == 'unwritten' for r in rows)} unwritten (fused), "
+             f"{len(bad)} with local error > {threshold:g} or partial"]
+    for r in bad[:limit]:
+        lines.append(f"  BAD  #{r.index:4d} {r.op:<16} %{r.value:<40} {r.status:<8} local {r.local:.2e} e2e {r.e2e:.2e}")
+    worst: dict[str, OpCheck] = {}
+    for r in rows:
+        if r.status != "unwritten" and (r.op not in worst or not r.local <= worst[r.op].local):
+            worst[r.op] = r
+    lines.append("worst local error per op kind:")
+    for op, r in sorted(worst.items(), key=lambda kv: -kv[1].local if kv[1].local == kv[1].local else float("-inf")):
+        lines.append(f"  {op:<16} {r.local:.2e}  (%{r.value}, e2e {r.e2e:.2e})")
+    drift = next((r for r in rows if r.status == "ok" and not r.e2e <= threshold), None)
+    lines.append("end-to-end drift first above threshold at: "
+                 + (f"#{drift.index} {drift.op} %{drift.value} ({drift.e2e:.2e})" if drift else "nowhere"))
+    return "\n".join(lines)
+
+
+class RouteAlign:
+    """Reference hook (executor.execute(hook=...)) for kernel-vs-reference runs of MoE models.
+
+    At each router it reads the kernel's expert ids for the same step from the arena. If they are
+    a top-k of the reference's own corrected scores within `tol` (a near-tie: a one-ulp bf16
+    difference upstream, e.g. from another fp32 summation order, can flip it), the reference
+    follows them, so both sides keep running the same experts and later errors stay continuous.
+    A choice outside the tolerance, a duplicate or an out-of-range id is recorded in `violations`
+    (a routing bug) and the reference keeps its own choice. `flips` counts token rows whose
+    expert set differed, `max_gap` the largest score shortfall of a followed choice.
+    """
+
+    def __init__(self, bound, tol: float = 1e-2):
+        self.bound, self.tol = bound, tol
+        self.flips, self.max_gap, self.violations = 0, 0.0, []
+
+    def __call__(self, op, ins, outs):
+        import torch
+
+        if op.opname != "router":
+            return outs
+        logits, bias = ins
+        k, n = int(op.attrs["topk"]), logits.shape[-1]
+        ids = self.bound.tensor(op.outputs[1].name).long()
+        scores = torch.sigmoid(logits.float())
+        corr = scores + bias.float()
+        in_range = ((ids >= 0) & (ids < n)).all(-1)
+        ids_c = ids.clamp(0, n - 1)
+        gap = (corr.topk(k, -1).values[..., -1:] - corr.gather(-1, ids_c)).clamp_min(0).amax(-1)
+        srt = ids_c.sort(-1).values
+        dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
+        bad = ~in_range | dup | (gap > self.tol)
+        if bool(bad.any()):
+            self.violations.append(f"%{op.outputs[1].name} rows {bad.nonzero().flatten().tolist()}")
+            return outs
+        differs = (srt != outs[1].long().sort(-1).values).any(-1)
+        self.flips += int(differs.sum())
+        if bool(differs.any()):
+            self.max_gap = max(self.max_gap, float(gap[differs].max()))
+        w = scores.gather(-1, ids_c)
+        w = w / w.sum(-1, keepdim=True) * float(op.attrs.get("scale", 1.0))
+        return [w, ids_c.to(torch.int32)]

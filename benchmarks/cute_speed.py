@@ -1,0 +1,242 @@
+"""Decode-step speed of the CuTe megakernel on Kimi K3 `slice4` (H200; not a test).
+
+Per batch size:
+  - the megakernel step replayed from a CUDA graph (median of `--reps` replays, CUDA events);
+  - bytes the step must read: weights (routed experts counted from the router ids the kernel
+    actually produced, distinct per layer) plus state (KDA recurrent/conv states, the MLA cache
+    rows up to the position) -> achieved bandwidth and its fraction of the 4.16 TB/s roofline;
+  - per op kind (profile build of the same plan: per-row globaltimer stamps): the union of the
+    kind's task intervals, its bytes (cost model, experts scaled to the routed count) and the
+    bandwidth they imply;
+  - the reference executor over the same lowered graph, eager, and under
+    torch.compile(mode="reduce-overhead") (`--compile`), same weights.
+Writes nothing itself: paste the printed table into docs/performance.md.
+
+    python benchmarks/cute_speed.py [--config slice4] [--batches 1,4,16] [--compile]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+import fusec
+
+HBM_TBPS = 4.16
+SAVE_DIR = os.environ.get("FUSEC_PROFILE_DIR")   # set: also save each profile (torch.save)
+
+
+def model_path() -> str:
+    import fusec.models as m
+    return os.path.join(os.path.dirname(m.__file__), "kimi_k3.py")
+
+
+def median_us(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def routed_expert_bytes(run) -> tuple[float, float]:
+    """(bytes of the experts the last step routed to, cost-model expert bytes) over all MoE ops."""
+    g = run.program.graph
+    actual = model = 0.0
+    dims = run.dims
+    for op in g.ops:
+        if op.opname not in ("moe_gate_up", "moe_down"):
+            continue
+        ids = run.mem.tensor(op.inputs[1].name)
+        ws = op.inputs[2:]
+        per_expert = sum(w.type.nbytes(dims) / w.type.concrete(dims)[0] for w in ws)
+        actual += per_expert * len(torch.unique(ids))
+        model += sum(w.type.nbytes(dims) for w in ws) * min(ws[0].type.concrete(dims)[0], ids.numel()) \
+            / ws[0].type.concrete(dims)[0]
+    return actual, model
+
+
+def step_bytes(run, pos: int) -> float:
+    """Weights (experts as routed) + state the step reads."""
+    g, dims = run.program.graph, run.dims
+    total = 0.0
+    for v in g.weights():
+        if not any(op.opname in ("moe_gate_up", "moe_down") and v in op.inputs[2:] for op in g.ops):
+            total += v.type.nbytes(dims)
+    total += routed_expert_bytes(run)[0]
+    for v in g.states():
+        shape = v.type.concrete(dims)
+        b = v.type.nbytes(dims)
+        if "cache" in v.name:     # [B, L, row]: rows 0..pos are read
+            b = b * (pos + 1) / shape[1]
+        total += b
+    return total
+
+
+def kind_table(run, prof, expert_scale: float) -> list[tuple[str, float, float]]:
+    """(op kind, union of its tasks' body intervals in us, bytes) for the profiled step."""
+    s = run.program.schedule
+    g = s.graph
+    ops = {op.outputs[0].name: op for op in g.ops}
+    share: dict[str, int] = {}
+    for t in s.tasks:
+        for n in t.ops:
+            share[n] = share.get(n, 0) + 1
+    kind_of, bytes_of = {}, {}
+    for t in s.tasks:
+        best, tb = None, 0.0
+        for n in t.ops:
+            op = ops[n]
+            c = op.opdef.cost([v.type for v in op.inputs], [v.type for v in op.outputs], op.attrs, s.dims)
+            b = c.bytes_read / share[n] * (expert_scale if op.opname in ("moe_gate_up", "moe_down") else 1.0)
+            tb += b
+            if best is None or b > best[1]:
+                best = (op.opname, b)
+        if best is not None:
+            kind_of[t.id], bytes_of[t.id] = best[0], tb
+    spans: dict[str, list] = {}
+    for i, row in enumerate(run.plan.tasks):
+        k = kind_of.get(row.task_id)
+        if k is None or prof[i, 2] <= 0:
+            continue
+        spans.setdefault(k, []).append((int(prof[i, 1]), int(prof[i, 2])))
+    out = []
+    for k, iv in spans.items():
+        iv.sort()
+        busy, cur_s, cur_e = 0, None, None
+        for a, b in iv:
+            if cur_e is None or a > cur_e:
+                busy += (cur_e - cur_s) if cur_e is not None else 0
+                cur_s, cur_e = a, b
+            else:
+                cur_e = max(cur_e, b)
+        busy += cur_e - cur_s
+        kb = sum(bytes_of[t] for t in kind_of if kind_of[t] == k)
+        out.append((k, busy / 1e3, kb))
+    return sorted(out, key=lambda r: -r[2])
+
+
+def reference_us(run, batch: int, pos: int, compile_: bool) -> tuple[float, float | None, str]:
+    from fusec.backends.reference.executor import execute
+
+    ref = run.lowered_reference()
+    g, dims = ref.graph, ref.dims
+    tok = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    p = torch.full((batch,), pos, dtype=torch.int32, device="cuda")
+    eager = median_us(lambda: ref.run(tok, p), 5)
+    if not compile_:
+        return eager, None, ""
+    names = [v.name for v in g.states()]
+
+    def step(tokens, positions, *state):
+        env = execute(g, ref.weights, dict(zip(names, state)), {"tokens": tokens, "pos": positions}, dims)
+        return [env[v.name] for v in g.outputs] + [env[g.updates[n].name] for n in names if n in g.updates]
+    try:
+        t0 = time.perf_counter()
+        fn = torch.compile(step, mode="reduce-overhead")
+        st = [ref.state[n] for n in names]
+        for _ in range(3):
+            fn(tok, p, *st)
+        torch.cuda.synchronize()
+        note = f"compile+warmup {time.perf_counter() - t0:.0f} s"
+        return eager, median_us(lambda: fn(tok, p, *st), 10), note
+    except Exception as e:  # report, do not hide: the table says why there is no number
+        traceback.print_exc()
+        return eager, None, f"torch.compile failed: {type(e).__name__}"
+
+
+def bench(config: str, batch: int, max_len: int, reps: int, compile_: bool) -> dict:
+    from fusec.backends.cute.runtime import Megakernel
+
+    t0 = time.perf_counter()
+    cute = fusec.compile(model_path(), config, backend="cute", batch=batch, max_len=max_len, device="cuda")
+    t_build = time.perf_counter() - t0
+    run = cute.runner
+    pos = max_len - 1
+    g = torch.Generator().manual_seed(batch)
+    tok = torch.randint(0, run.program.graph.outputs[0].type.shape[-1], (batch,), generator=g,
+                        dtype=torch.int32).cuda()
+    run.run(tok, torch.full((batch,), pos, dtype=torch.int32, device="cuda"))  # real routing in the arena
+    nbytes = step_bytes(run, pos)
+    actual, model = routed_expert_bytes(run)
+    gr = run.kernel.capture_graph()
+    t_kernel = median_us(gr.replay, reps)
+    run.kernel.check()
+    prof_plan = dataclasses.replace(run.plan, profile=True)
+    mk = Megakernel(prof_plan)
+    mk.step()
+    mk.check()
+    mk.step()      # second step: warm caches as in the replay loop
+    mk.check()
+    prof = mk.profile().cpu()
+    if SAVE_DIR:   # raw stamps + row identities, for offline timeline analysis
+        rows = torch.tensor([[t.task_id, int(t.opcode), t.sub, t.n0, t.n1, t.k] for t in run.plan.tasks])
+        cta = torch.zeros(len(run.plan.tasks), dtype=torch.int64)
+        for c, q in enumerate(run.plan.queues):
+            cta[list(q)] = c
+        torch.save({"prof": prof, "rows": rows, "cta": cta}, os.path.join(SAVE_DIR, f"profile_{config}_b{batch}.pt"))
+    kinds = kind_table(run, prof, actual / model if model else 1.0)
+    wall = (int(prof[:, 2].max()) - int(prof[:, 0][prof[:, 0] > 0].min())) / 1e3
+    body = (prof[:, 2] - prof[:, 1]).double() / 1e3
+    wait = (prof[:, 1] - prof[:, 0]).double() / 1e3
+    top = [(float(body[i]), run.plan.tasks[i]) for i in body.argsort(descending=True)[:8].tolist()]
+    eager, compiled, note = reference_us(run, batch, pos, compile_)
+    return dict(batch=batch, rows=len(run.plan.tasks), build_s=t_build, kernel_us=t_kernel, bytes=nbytes,
+                tbps=nbytes / t_kernel / 1e6, roof=nbytes / (HBM_TBPS * 1e12) * 1e6, kinds=kinds,
+                prof_wall_us=wall, eager_us=eager, compiled_us=compiled, note=note, top=top,
+                body_us=float(body.sum()), wait_us=float(wait.sum()), ctas=len(run.plan.queues))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="slice4")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--compile", action="store_true", help="also time the reference under torch.compile")
+    args = ap.parse_args(argv)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, config {args.config}, "
+          f"position {args.max_len - 1}", flush=True)
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        try:
+            r = bench(args.config, b, args.max_len, args.reps, args.compile)
+        except Exception:
+            traceback.print_exc()
+            continue
+        rows.append(r)
+        print(f"  B={b}: kernel {r['kernel_us']:.0f} us, {r['bytes'] / 1e9:.2f} GB -> {r['tbps']:.2f} TB/s "
+              f"({r['roof'] / r['kernel_us'] * 100:.0f}% of roofline {r['roof']:.0f} us); eager {r['eager_us']:.0f} us; "
+              f"compiled {r['compiled_us'] or float('nan'):.0f} us {r['note']}", flush=True)
+        print(f"  per op kind (profile build, step wall {r['prof_wall_us']:.0f} us):", flush=True)
+        for k, us, kb in r["kinds"]:
+            print(f"    {k:<24} busy {us:8.1f} us  {kb / 1e6:9.1f} MB  {kb / max(us, 1e-9) / 1e6:6.2f} TB/s", flush=True)
+        print(f"  CTA time: bodies {r['body_us'] / r['ctas']:.0f} us, waits {r['wait_us'] / r['ctas']:.0f} us per CTA "
+              f"({r['ctas']} CTAs); longest rows:", flush=True)
+        for us, t in r["top"]:
+            print(f"    {us:8.1f} us  task {t.task_id} {t.opcode.name} sub {t.sub} rows {t.n0}..{t.n1} k {t.k} "
+                  f"p0 {t.p0} p1 {t.p1}", flush=True)
+        torch.cuda.empty_cache()
+    print(f"\n| B | rows | kernel us (median) | GB read | TB/s | % of roofline | reference eager us | "
+          "reference torch.compile us |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c = f"{r['compiled_us']:.0f}" if r["compiled_us"] else f"- ({r['note'] or 'not run'})"
+        print(f"| {r['batch']} | {r['rows']} | {r['kernel_us']:.0f} | {r['bytes'] / 1e9:.2f} | {r['tbps']:.2f} | "
+              f"{r['roof'] / r['kernel_us'] * 100:.0f}% | {r['eager_us']:.0f} | {c} |")
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
