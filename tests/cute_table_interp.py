@@ -197,7 +197,7 @@ class Interp:
                     part[c, b, :, K + 1] = 0.0
                     continue
                 ql = self.t(r.a0, torch.bfloat16, (B, H, K), (H * K, K, 1))[b].float()
-                qp = self.t(r.a1, torch.bfloat16, (B, H, R), (H * R, R, 1))[b].float()
+                qp = self.t(r.a1, torch.bfloat16, (B, H, R), (r.a7, r.a6, 1))[b].float()
                 cc = self.t(r.a3, torch.bfloat16, (B, r.ldx, K + R), (r.ldx * (K + R), K + R, 1))[b, lo:end].float()
                 sc = (ql @ cc[:, :K].T + qp @ cc[:, K:].T) * _f32_lo(r.aux)    # [H, rows]
                 m = sc.max(-1).values

@@ -14,7 +14,7 @@ Layout adaptations the bodies need are made here with per-task scratch (never sh
   mla_q_absorb    per-head GEMV over W_UK^T, a transposed copy of kv_b's key rows built at bind
                   time (const "mla_uk_t")
   mla_v_up        one GEMV per head over kv_b's value rows (o_lat is bf16, as FlashMLA writes it)
-  mla_attention   q_pe copied to contiguous scratch; MLA PARTIAL (one chunk) then COMBINE
+  mla_attention   MLA PARTIAL (one chunk, q_pe read in place through its strides) then COMBINE
   mla_attention_partial / attention_combine (split sequence, passes/tile.py): MLA PARTIAL over
                   the task's chunks into the partials value; COMBINE of the task's heads, per batch row
   concat          EW COPY of each part at its column offset
@@ -143,20 +143,24 @@ class K3Lowering:
             key = f"const.mla_uk_t.{kvb}"
             self._const(key, ("mla_uk_t", kvb, dict(at)), DType.bf16, (h, lora, nope))
             qv, o = view(qn), view(out)
+            h0, h1 = t.tile[1]          # this task's heads (tile [B, heads, kv_lora])
             return [(TaskRow(Opcode.GEMV_BF16, t.id, a0=self.mem.byte_offset(key) + 2 * hh * lora * nope,
                              a1=off(qn) + 2 * hh * qv.strides[1], a2=off(out) + 2 * hh * o.strides[1],
                              n0=0, n1=lora, k=nope, ldx=qv.strides[0], ldy=o.strides[0]), ("a0", "a1", "a2"))
-                    for hh in range(h)]
+                    for hh in range(h0, h1)]
         if kind == "mla_v_up":
             ol, kvb = ins
             h, nope, lora, vd = (int(at[k]) for k in ("heads", "nope", "kv_lora", "v_dim"))
             olv, o = view(ol), view(out)
             if olv.dtype is not DType.bf16 or olv.strides[1:] != (lora, 1):
                 raise self.error(f"mla_v_up %{out}: o_lat must be bf16 with contiguous heads")
+            c0, c1 = cols                # this task's columns: whole heads of v_dim (tile rule)
+            if c0 % vd or c1 % vd:
+                raise self.error(f"mla_v_up %{out}: tile {cols} splits a head of {vd}")
             return [(TaskRow(Opcode.GEMV_BF16, t.id, a0=off(kvb) + 2 * (hh * (nope + vd) + nope) * lora,
                              a1=off(ol) + 2 * hh * lora, a2=off(out) + 2 * hh * vd, n0=0, n1=vd, k=lora,
                              ldx=olv.strides[0], ldy=o.row_stride), ("a0", "a1", "a2"))
-                    for hh in range(h)]
+                    for hh in range(c0 // vd, c1 // vd)]
         if kind == "mla_attention":
             return self._mla(t, op, redirect)
         if kind == "mla_attention_partial":
@@ -244,10 +248,8 @@ class K3Lowering:
         off = lambda n: self._off(n, redirect)  # noqa: E731
         rows = []
         qv = self._v(qpe, redirect)
-        qc = self._scratch(f"scratch.t{t.id}.{qpe}", DType.bf16, (self.B, h, rope))
-        for hh in range(h):
-            rows += self._copy_rows(t, off(qpe) + 2 * hh * qv.strides[1], qv, self.mem.byte_offset(qc) + 2 * hh * rope,
-                                    rope, DType.bf16, h * rope, ldx=qv.strides[0])
+        if qv.dtype is not DType.bf16 or qv.strides[-1] != 1:
+            raise self.error(f"{op.opname} %{op.outputs[0].name}: q_pe must be bf16 with contiguous rope dims")
         c0, c1, S = chunks or (0, 1, 1)
         if chunks is None:
             part = self.mem.byte_offset(self._scratch(f"scratch.t{t.id}.mla_partials", DType.f32,
@@ -257,9 +259,9 @@ class K3Lowering:
         cv = self._v(cache, redirect)
         common = dict(k=lora, ldx=cv.shape[1], ldy=h, p0=self.B * h, p1=S, p2=rope,
                       aux=f32_pair(float(at["scale"])))
-        rows.append((TaskRow(Opcode.MLA, t.id, a0=off(ql), a1=self.mem.byte_offset(qc), a3=off(cache), a4=off(pos),
-                             a2=part, n0=c0 * self.B, n1=c1 * self.B, sub=MlaMode.PARTIAL, **common),
-                     ("a0", "a1", "a2", "a3", "a4")))
+        rows.append((TaskRow(Opcode.MLA, t.id, a0=off(ql), a1=off(qpe), a3=off(cache), a4=off(pos),
+                             a6=qv.strides[1], a7=qv.strides[0], a2=part, n0=c0 * self.B, n1=c1 * self.B,
+                             sub=MlaMode.PARTIAL, **common), ("a0", "a1", "a2", "a3", "a4")))
         if chunks is not None:
             return rows
         rows.append((TaskRow(Opcode.MLA, t.id, a0=part, a2=off(op.outputs[0].name), n0=0,

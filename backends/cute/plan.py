@@ -32,8 +32,8 @@ queue[c, 0] .. queue[c, 1] - 1 (queue is int32 [num_ctas, 2]). Word layout of on
   15    AUX            opcode-specific scalar (RMSNORM: float32 bits of eps; EW/ROUTER: `f32_pair`)
   16    A4             EXPERT_*: router ids int32 [B, P1]
   17    A5             EXPERT_*: second weight (up, GLU mode)
-  18    A6             EXPERT_MXFP4: scales of the second weight
-  19    A7             ATTN_RES: rms_norm output (see Opcode)
+  18    A6             EXPERT_MXFP4: scales of the second weight; MLA PARTIAL: q_pe head stride
+  19    A7             ATTN_RES: rms_norm output; MLA PARTIAL: q_pe batch stride (plain integers)
   20    SUB            sub-opcode (`ExpertMode` for EXPERT_*, `EwOp` for EW)
   21    P0             EXPERT_*: slot j; EW: row stride of operand A1; ROUTER: top-k
   22    P1             EXPERT_*: top-k (row stride of ids/weights); EW: `F32Flag` bits
@@ -145,7 +145,8 @@ class Opcode(enum.IntEnum):
                [B, LDY]; AUX = f32_pair(attn_res eps, rms_norm eps).
     MLA        absorbed MLA, split sequence (`MlaMode` in SUB). PARTIAL (mla_attention_partial):
                items i in N0..N1 = (chunk i // B, batch i % B); q_lat A0 bf16 [B, H, K],
-               q_pe A1 bf16 [B, H, P2], cache A3 bf16 [B, LDX, K + P2], pos A4 int32 [B],
+               q_pe A1 bf16 [B, H, P2] with head / batch strides A6 / A7 (elements, plain
+               integers), cache A3 bf16 [B, LDX, K + P2], pos A4 int32 [B],
                partials A2 fp32 [P1, B, H, K + 2] = [o / l, m, l]; LDY = H, P0 = B * H,
                P1 = chunks, AUX = f32_pair(scale). COMBINE (attention_combine): items (b, h) in
                N0..N1, A0 = partials, A2 = o bf16 [B, H, K]. K <= 512, P2 <= 64; all contiguous.

@@ -196,8 +196,8 @@ def mla_tasks(q_lat, q_pe, cache, pos, partials, out, scale: float, first_id: in
         assert t.is_contiguous(), "MLA operands must be contiguous"
     common = dict(k=lora, ldx=cache.shape[1], ldy=h, p0=b * h, p1=s, p2=rope, aux=f32_pair(scale))
     part = [TaskRow(Opcode.MLA, first_id + i, a0=q_lat.data_ptr(), a1=q_pe.data_ptr(), a3=cache.data_ptr(),
-                    a4=pos.data_ptr(), a2=partials.data_ptr(), n0=i, n1=i + 1, sub=MlaMode.PARTIAL,
-                    **common, **_wait_kw(wait, signal))
+                    a4=pos.data_ptr(), a6=q_pe.stride(1), a7=q_pe.stride(0), a2=partials.data_ptr(), n0=i,
+                    n1=i + 1, sub=MlaMode.PARTIAL, **common, **_wait_kw(wait, signal))
             for i in range(s * b)]
     comb = [TaskRow(Opcode.MLA, first_id + s * b + i, a0=partials.data_ptr(), a2=out.data_ptr(), n0=n0,
                     n1=min(b * h, n0 + combine_items), sub=MlaMode.COMBINE, **common)
