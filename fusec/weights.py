@@ -1,5 +1,9 @@
 """Deterministic random weights for a graph (by seed and weight name, independent of order).
 
+Deterministic per device: torch's CPU and CUDA generators give different streams for one seed,
+so `random_weights(..., device="cuda")` (what `fusec.compile(device="cuda")` uses, to build a
+57 GB slice without a CPU round trip) differs from the CPU draw. Compare devices with one dict.
+
 Models may give init rules (`WEIGHT_INIT`: a list of (fnmatch pattern, rule)); the default
 for a matrix is normal / sqrt(fan_in), so activations keep unit scale through deep graphs.
 MXFP4 weights are drawn directly as random nibbles and scales of the same magnitude.

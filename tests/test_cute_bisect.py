@@ -115,3 +115,13 @@ def test_route_align_follows_near_ties_and_flags_real_errors():
     dup = RouteAlign(_Arena(torch.tensor([[0, 0]], dtype=torch.int32)))
     dup(op, ins, ref_outs)
     assert dup.violations
+
+
+def test_rel_err_matches_infinities_exactly():
+    from fusec.backends.cute.bisect import rel_err
+
+    ref = torch.tensor([1.0, float("-inf"), 2.0])
+    assert rel_err(torch.tensor([1.0, float("-inf"), 2.0]), ref) == 0.0     # empty chunk: m = -inf both
+    assert rel_err(torch.tensor([1.0, 0.0, 2.0]), ref) == float("inf")
+    assert rel_err(torch.tensor([1.0, float("-inf"), float("nan")]), ref) == float("inf")
+    assert 0 < rel_err(torch.tensor([1.0, float("-inf"), 2.2]), ref) < 0.1

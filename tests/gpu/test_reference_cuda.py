@@ -13,7 +13,12 @@ import fusec
 def test_reference_executor_on_cuda_matches_cpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    kw = dict(batch=2, max_len=8, precision="fp32", seed=3)
+    from fusec.models import kimi_k3
+    from fusec.weights import random_weights
+
+    # One set of weights for both: torch's CPU and CUDA generators give different streams.
+    w = random_weights(kimi_k3.build_graph("tiny"), 3, kimi_k3.WEIGHT_INIT)
+    kw = dict(batch=2, max_len=8, precision="fp32", weights=w)
     cpu = fusec.compile("kimi_k3", "tiny", device="cpu", **kw)
     gpu = fusec.compile("kimi_k3", "tiny", device="cuda", **kw)
     toks = torch.tensor([11, 42], dtype=torch.int32)
