@@ -118,7 +118,7 @@ def case(model: str, config: str, batch: int, steps: int, delay_ns: int) -> dict
         if r.status != "unwritten" and (r.op not in worst or not r.local <= worst[r.op][0]):
             worst[r.op] = (r.local, r.value, r.status)
     bad = sorted(((v[0], k, v[1]) for k, v in worst.items() if not v[0] <= TOL or v[2] == "partial"), reverse=True)
-    print(f"  bisect: worst local error per op kind: "
+    print("  bisect: worst local error per op kind: "
           + ", ".join(f"{k} {v[0]:.1e}" for k, v in sorted(worst.items(), key=lambda kv: -kv[1][0])), flush=True)
     # Kernel alone: CUDA-graph replay.
     gr = run.kernel.capture_graph()
@@ -138,17 +138,9 @@ def case(model: str, config: str, batch: int, steps: int, delay_ns: int) -> dict
         mk = Megakernel(dataclasses.replace(run.plan, delay_ns=delay_ns))
         run.reset()
         ref.reset()
-
-        def delayed(tok, pos):
-            run.mem.tensor("tokens").copy_(tok)
-            run.mem.tensor("pos").copy_(pos)
-            mk.step()
-            mk.check()
-            return [run.mem.tensor(n).clone() for n in run.out_names]
-        run.reset()
-        ref.reset()
         dalign = RouteAlign(run.mem) if moe else None
-        dd = drive(delayed, ref, vocab, batch, steps, 1234 + batch, run, None, synced, dalign)
+        dd = drive(lambda tok, pos: run.run(tok, pos, kernel=mk), ref, vocab, batch, steps, 1234 + batch, run,
+                   None, synced, dalign)
         derr = max(max(dd["step"]), max(dd["state"]) * TOL / STATE_TOL)   # both scaled to TOL
         dviol = len(dalign.violations) if moe else 0
         print(f"  delay {delay_ns} ns: free-running {_fmt(dd['free'])} | per step {_fmt(dd['step'])}, state "

@@ -8,11 +8,12 @@ Per batch size:
   - per op kind (profile build of the same plan: per-row globaltimer stamps): the union of the
     kind's task intervals, its bytes (cost model, experts scaled to the routed count) and the
     bandwidth they imply;
-  - the reference executor over the same lowered graph, eager, and under
-    torch.compile(mode="reduce-overhead") (`--compile`), same weights.
-Writes nothing itself: paste the printed table into docs/performance.md.
+  - the reference executor over the same lowered graph, eager, same weights (under
+    torch.compile: benchmarks/reference_compile.py).
+With FUSEC_PROFILE_DIR set, each profile is also saved (torch.save) for offline analysis.
+Writes no docs itself: paste the printed table into docs/performance.md.
 
-    python benchmarks/cute_speed.py [--config slice4] [--batches 1,4,16] [--compile]
+    python benchmarks/cute_speed.py [--config slice4] [--batches 1,4,16]
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import traceback
 import torch
 
 import fusec
+from _timing import median_us  # benchmarks/_timing.py (this script's folder)
 
 HBM_TBPS = 4.16
 SAVE_DIR = os.environ.get("FUSEC_PROFILE_DIR")   # set: also save each profile (torch.save)
@@ -34,20 +36,6 @@ SAVE_DIR = os.environ.get("FUSEC_PROFILE_DIR")   # set: also save each profile (
 def model_path() -> str:
     import fusec.models as m
     return os.path.join(os.path.dirname(m.__file__), "kimi_k3.py")
-
-
-def median_us(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return sorted(ts)[len(ts) // 2]
 
 
 def routed_expert_bytes(run) -> tuple[float, float]:
@@ -127,36 +115,16 @@ def kind_table(run, prof, expert_scale: float) -> list[tuple[str, float, float]]
     return sorted(out, key=lambda r: -r[2])
 
 
-def reference_us(run, batch: int, pos: int, compile_: bool) -> tuple[float, float | None, str]:
-    from fusec.backends.reference.executor import execute
-
+def reference_us(run, batch: int, pos: int) -> float:
+    """The reference executor over the same lowered graph, eager (torch.compile of the reference:
+    benchmarks/reference_compile.py)."""
     ref = run.lowered_reference()
-    g, dims = ref.graph, ref.dims
     tok = torch.zeros(batch, dtype=torch.int32, device="cuda")
     p = torch.full((batch,), pos, dtype=torch.int32, device="cuda")
-    eager = median_us(lambda: ref.run(tok, p), 5)
-    if not compile_:
-        return eager, None, ""
-    names = [v.name for v in g.states()]
-
-    def step(tokens, positions, *state):
-        env = execute(g, ref.weights, dict(zip(names, state)), {"tokens": tokens, "pos": positions}, dims)
-        return [env[v.name] for v in g.outputs] + [env[g.updates[n].name] for n in names if n in g.updates]
-    try:
-        t0 = time.perf_counter()
-        fn = torch.compile(step, mode="reduce-overhead")
-        st = [ref.state[n] for n in names]
-        for _ in range(3):
-            fn(tok, p, *st)
-        torch.cuda.synchronize()
-        note = f"compile+warmup {time.perf_counter() - t0:.0f} s"
-        return eager, median_us(lambda: fn(tok, p, *st), 10), note
-    except Exception as e:  # report, do not hide: the table says why there is no number
-        traceback.print_exc()
-        return eager, None, f"torch.compile failed: {type(e).__name__}"
+    return median_us(lambda: ref.run(tok, p), 5)
 
 
-def bench(config: str, batch: int, max_len: int, reps: int, compile_: bool) -> dict:
+def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
     from fusec.backends.cute.runtime import Megakernel
 
     t0 = time.perf_counter()
@@ -191,10 +159,10 @@ def bench(config: str, batch: int, max_len: int, reps: int, compile_: bool) -> d
     body = (prof[:, 2] - prof[:, 1]).double() / 1e3
     wait = (prof[:, 1] - prof[:, 0]).double() / 1e3
     top = [(float(body[i]), run.plan.tasks[i]) for i in body.argsort(descending=True)[:8].tolist()]
-    eager, compiled, note = reference_us(run, batch, pos, compile_)
+    eager = reference_us(run, batch, pos)
     return dict(batch=batch, rows=len(run.plan.tasks), build_s=t_build, kernel_us=t_kernel, bytes=nbytes,
                 tbps=nbytes / t_kernel / 1e6, roof=nbytes / (HBM_TBPS * 1e12) * 1e6, kinds=kinds,
-                prof_wall_us=wall, eager_us=eager, compiled_us=compiled, note=note, top=top,
+                prof_wall_us=wall, eager_us=eager, top=top,
                 body_us=float(body.sum()), wait_us=float(wait.sum()), ctas=len(run.plan.queues))
 
 
@@ -204,21 +172,20 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--compile", action="store_true", help="also time the reference under torch.compile")
     args = ap.parse_args(argv)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, config {args.config}, "
           f"position {args.max_len - 1}", flush=True)
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         try:
-            r = bench(args.config, b, args.max_len, args.reps, args.compile)
+            r = bench(args.config, b, args.max_len, args.reps)
         except Exception:
             traceback.print_exc()
             continue
         rows.append(r)
         print(f"  B={b}: kernel {r['kernel_us']:.0f} us, {r['bytes'] / 1e9:.2f} GB -> {r['tbps']:.2f} TB/s "
-              f"({r['roof'] / r['kernel_us'] * 100:.0f}% of roofline {r['roof']:.0f} us); eager {r['eager_us']:.0f} us; "
-              f"compiled {r['compiled_us'] or float('nan'):.0f} us {r['note']}", flush=True)
+              f"({r['roof'] / r['kernel_us'] * 100:.0f}% of roofline {r['roof']:.0f} us); reference eager "
+              f"{r['eager_us']:.0f} us", flush=True)
         print(f"  per op kind (profile build, step wall {r['prof_wall_us']:.0f} us):", flush=True)
         for k, us, kb in r["kinds"]:
             print(f"    {k:<24} busy {us:8.1f} us  {kb / 1e6:9.1f} MB  {kb / max(us, 1e-9) / 1e6:6.2f} TB/s", flush=True)
@@ -228,13 +195,11 @@ def main(argv=None) -> int:
             print(f"    {us:8.1f} us  task {t.task_id} {t.opcode.name} sub {t.sub} rows {t.n0}..{t.n1} k {t.k} "
                   f"p0 {t.p0} p1 {t.p1}", flush=True)
         torch.cuda.empty_cache()
-    print(f"\n| B | rows | kernel us (median) | GB read | TB/s | % of roofline | reference eager us | "
-          "reference torch.compile us |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| B | rows | kernel us (median) | GB read | TB/s | % of roofline | reference eager us |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        c = f"{r['compiled_us']:.0f}" if r["compiled_us"] else f"- ({r['note'] or 'not run'})"
         print(f"| {r['batch']} | {r['rows']} | {r['kernel_us']:.0f} | {r['bytes'] / 1e9:.2f} | {r['tbps']:.2f} | "
-              f"{r['roof'] / r['kernel_us'] * 100:.0f}% | {r['eager_us']:.0f} | {c} |")
+              f"{r['roof'] / r['kernel_us'] * 100:.0f}% | {r['eager_us']:.0f} |")
     return 0 if rows else 1
 
 

@@ -14,21 +14,8 @@ import traceback
 import torch
 
 import fusec
+from _timing import median_us  # benchmarks/_timing.py (this script's folder)
 from fusec.backends.reference.executor import execute
-
-
-def median_us(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return sorted(ts)[len(ts) // 2]
 
 
 def main(argv=None) -> int:

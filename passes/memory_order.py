@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fusec.ir.schedule import Instr, InstrKind, Region, Schedule, Scope, Sem
+from fusec.ir.schedule import Instr, InstrKind, Schedule, Scope, Sem
 from fusec.ir.types import Kind
 
-from ._memory_access import Access, BufferMap, expand_ranks, region_str
+from ._memory_access import Access, expand_ranks, region_str
 
 
 class Rule(enum.Enum):

@@ -287,3 +287,16 @@ class Interp:
                     raise NotImplementedError(f"interp: EW {sub.name}")
         o = self.mat(r.a2, B, r.n1, r.ldy, bool(fl & F32Flag.OUT))
         o[:, cols] = y.to(o.dtype)
+
+
+def interp_on_arena(low, weights, mutate=None):
+    """A CPU arena bound with `weights` (the lowered graph's) and an interpreter over its table
+    (`mutate(rows) -> rows` plants a bug first). Returns (bound arena, Interp)."""
+    from fusec.backends.cute.lower import bind_weights
+
+    bound = low.memory.bind("cpu")
+    bind_weights(low, bound, weights)
+    plan = low.plan(base=0)
+    if mutate:
+        plan = plan.with_tasks(mutate(list(plan.tasks)))
+    return bound, Interp(plan, bound.arena)

@@ -1,7 +1,6 @@
 """The CLI and the Python API: figures, round trips through files, clean failures."""
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch

@@ -11,9 +11,8 @@ import dataclasses
 
 import pytest
 
-from cute_table_interp import Interp
+from cute_table_interp import interp_on_arena
 from fusec.backends.cute.bisect import bisect_step, format_report
-from fusec.backends.cute.lower import bind_weights
 from fusec.backends.cute.plan import EwOp, Opcode
 from fusec.backends.cute.runner import lower_graph
 from fusec.backends.reference.ranks import materialize_weights
@@ -34,12 +33,7 @@ def k3():
 
 
 def _bisect(prog, low, W, mutate=None, steps=2):
-    bound = low.memory.bind("cpu")
-    bind_weights(low, bound, W)
-    plan = low.plan(base=0)
-    if mutate:
-        plan = plan.with_tasks(mutate(list(plan.tasks)))
-    it = Interp(plan, bound.arena)
+    bound, it = interp_on_arena(low, W, mutate)
     gen = torch.Generator().manual_seed(3)
     for s in range(steps):
         ins = {"tokens": torch.randint(0, 4096, (B,), generator=gen, dtype=torch.int32),

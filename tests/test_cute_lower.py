@@ -20,12 +20,12 @@ import os
 import pytest
 import torch
 
-from cute_table_interp import Deadlock, Interp
-from fusec.backends.cute.lower import LoweringError, bind_weights, lower_schedule, unsupported_ops
+from cute_table_interp import Deadlock, interp_on_arena
+from fusec.backends.cute.lower import LoweringError, lower_schedule, unsupported_ops
 from fusec.backends.cute.memory import ALIGN
 from fusec.backends.cute.plan import NO_EVENT, Opcode
 from fusec.backends.cute.runner import lower_graph
-from fusec.backends.reference.executor import init_state, prepare_weights, run_step
+from fusec.backends.reference.executor import init_state, run_step
 from fusec.backends.reference.ranks import materialize_weights
 from fusec.compiler import lower
 from fusec.config import Options
@@ -88,12 +88,7 @@ def _interp_run(g, prog, low, steps, seed, mutate=None, module=llama):
     B, L_ = low.batch, prog.schedule.dims["L"]
     pg = prog.graph
     W = materialize_weights(pg, random_weights(g, 0, module.WEIGHT_INIT), 0, "bf16")
-    bound = low.memory.bind("cpu")
-    bind_weights(low, bound, W)
-    plan = low.plan(base=0)
-    if mutate:
-        plan = plan.with_tasks(mutate(list(plan.tasks)))
-    it = Interp(plan, bound.arena)
+    bound, it = interp_on_arena(low, W, mutate)
     st = init_state(pg, {"B": B, "L": L_}, precision="bf16")
     gen = torch.Generator().manual_seed(seed)
     errs, same = [], True

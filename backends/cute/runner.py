@@ -70,9 +70,12 @@ class CuteRunner:
         for n in self.state_names:
             self.mem.tensor(n).zero_()
 
-    def run(self, tokens, positions):
+    def run(self, tokens, positions, kernel=None):
+        """One step; `kernel`: another Megakernel over this arena's table (e.g. the same plan with
+        delay injection or profiling) instead of the runner's own."""
+        kernel = kernel or self.kernel
         self.mem.tensor("tokens").copy_(tokens.to(self.mem.tensor("tokens").dtype))
         self.mem.tensor("pos").copy_(positions.to(self.mem.tensor("pos").dtype))
-        self.kernel.step()
-        self.kernel.check()
+        kernel.step()
+        kernel.check()
         return [self.mem.tensor(n).clone() for n in self.out_names]

@@ -77,11 +77,7 @@ def test_delay_injection_still_matches():
     mk = Megakernel(dataclasses.replace(run.plan, delay_ns=20_000))
 
     def delayed(tok, pos):
-        run.mem.tensor("tokens").copy_(tok)
-        run.mem.tensor("pos").copy_(pos)
-        mk.step()
-        mk.check()
-        return [run.mem.tensor(n).clone() for n in run.out_names]
+        return run.run(tok, pos, kernel=mk)
     for s, err, st in _steps(delayed, run, ref, 4, 4, 9, align):
         assert err < 2e-2 and st < STATE_TOL, f"step {s}: logits rel err {err}, state {st}"
     assert not align.violations, align.violations
