@@ -211,3 +211,19 @@ def test_emit_cute_compiles_and_audits(tmp_path):
     ptx = (d / "megakernel_llama_tiny.ptx").read_text()
     assert ".target sm_90a" in ptx and "ld.acquire.gpu" in ptx
     assert "megakernel_llama_tiny" in (d / "megakernel_llama_tiny.h").read_text()
+
+
+def test_delay_and_profile_variants_compile_and_pass_the_audit(tmp_path):
+    """The delay-injection and profile builds (run on the H200 by benchmarks/cute_model.py and
+    cute_speed.py) are other kernels: they must compile for sm_90a and keep the protocol."""
+    _cutlass()
+    from fusec.backends.cute.codegen import compile_key, render
+    from fusec.backends.cute.ptx_audit import audit_plan
+    _, low = lower_graph(llama.build_graph("tiny"), 2, L)
+    plan = low.plan()
+    variant = dataclasses.replace(plan, delay_ns=20_000, profile=True)
+    src = render(variant)
+    assert "DELAY_NS = 20000" in src and "PROF_OFFSET_BYTES" in src and "DELAY_NS" not in render(plan)
+    assert compile_key(variant) != compile_key(plan)
+    rep = audit_plan(variant, tmp_path)
+    assert rep.ok, rep.violations
