@@ -50,7 +50,7 @@ def model_path(name: str) -> str:
     return os.path.join(os.path.dirname(m.__file__), MODELS[name])
 
 
-def drive(kernel_step, ref, vocab, batch, steps, seed, run, cpu_ref=None, synced=None, align=None):
+def drive(kernel_step, ref, vocab, batch, steps, seed, run, cpu_ref=None, synced=None, align=None, cpu_sync=None):
     """`steps` teacher-forced steps, the kernel first (so `align` can read its router ids).
 
     Per step: the logits error against `ref` (free running: its own state since step 0), of the
@@ -58,15 +58,19 @@ def drive(kernel_step, ref, vocab, batch, steps, seed, run, cpu_ref=None, synced
     this random model), and against `synced`: a reference started each step from the kernel's
     own state and following the kernel's near-tied expert choices (`align`), which isolates this
     step's error; its state after the step is compared with the kernel's too (a wrong state
-    update cannot hide behind the sync). Returns dict of per-step lists and tokens equal."""
+    update cannot hide behind the sync). `cpu_sync`: a CPU reference started from the same state
+    each step, against the synced GPU one: the per-step floor (another summation order alone).
+    Returns dict of per-step lists and tokens equal."""
     g = torch.Generator().manual_seed(seed)
-    out = dict(free=[], floor=[], step=[], state=[], agree=0)
+    out = dict(free=[], floor=[], step=[], state=[], step_floor=[], agree=0)
     for s in range(steps):
         tok = torch.randint(0, vocab, (batch,), generator=g, dtype=torch.int32).cuda()
         pos = torch.full((batch,), s, dtype=torch.int32, device="cuda")
         if synced is not None:
             for n in run.state_names:
                 synced.state[n] = run.mem.tensor(n).clone()
+                if cpu_sync is not None:
+                    cpu_sync.state[n] = run.mem.tensor(n).cpu()
         lk, nk = kernel_step(tok, pos)
         lr, nr = ref.run(tok, pos)
         out["free"].append(rel_err(lk.float(), lr.float()))
@@ -76,6 +80,9 @@ def drive(kernel_step, ref, vocab, batch, steps, seed, run, cpu_ref=None, synced
             out["step"].append(rel_err(lk.float(), la.float()))
             out["state"].append(max(rel_err(run.mem.tensor(n).float(), synced.state[n].float())
                                     for n in run.state_names))
+            if cpu_sync is not None:
+                lcs, _ = cpu_sync.run(tok.cpu(), pos.cpu())
+                out["step_floor"].append(rel_err(lcs.float(), la.float().cpu()))
         if cpu_ref is not None:
             lc, _ = cpu_ref.run(tok.cpu(), pos.cpu())
             out["floor"].append(rel_err(lc.float(), lr.float().cpu()))
@@ -101,9 +108,12 @@ def case(model: str, config: str, batch: int, steps: int, delay_ns: int) -> dict
     moe = any(op.opname == "router" for op in run.program.graph.ops)
     synced = run.lowered_reference()
     align = RouteAlign(run.mem) if moe else None
-    d = drive(run.run, ref, vocab, batch, steps, 1234 + batch, run, cpu_ref, synced, align)
+    cpu_sync = run.lowered_reference("cpu") if tiny else None
+    d = drive(run.run, ref, vocab, batch, steps, 1234 + batch, run, cpu_ref, synced, align, cpu_sync)
     print(f"  {model}:{config} B={batch}: free-running {_fmt(d['free'])}"
           + (f" | cpu-vs-gpu reference {_fmt(d['floor'])}" if d["floor"] else "")
+          + (f" | per-step floor (CPU reference from the same state) {_fmt(d['step_floor'])}"
+             if d["step_floor"] else "")
           + f" | per step (synced state) {_fmt(d['step'])}, state {_fmt(d['state'])}"
           + (f" ({align.flips} near-tie flips followed, max gap {align.max_gap:.1e}, "
              f"{len(align.violations)} violations {align.violations[:3]})" if moe else ""), flush=True)
@@ -149,7 +159,9 @@ def case(model: str, config: str, batch: int, steps: int, delay_ns: int) -> dict
     gate = max(max(d["step"]), max(d["state"]) * TOL / STATE_TOL)        # both scaled to TOL
     return dict(case=f"{model}:{config}", batch=batch, rows=len(run.plan.tasks), free=max(d["free"]),
                 step=max(d["step"]), state=max(d["state"]), flips=align.flips if moe else 0, violations=viol,
-                floor=max(d["floor"]) if d["floor"] else None, agree=f"{d['agree']}/{steps * batch}",
+                floor=max(d["floor"]) if d["floor"] else None,
+                step_floor=max(d["step_floor"]) if d["step_floor"] else None,
+                agree=f"{d['agree']}/{steps * batch}",
                 bisect_bad=bad, worst_local=max(v[0] for v in worst.values()), delay_err=derr,
                 compile_s=t_compile, graph_us=t_graph,
                 ok=gate < TOL and not bad and (derr is None or derr < TOL) and not viol)
@@ -207,14 +219,16 @@ def main(argv=None) -> int:
     except Exception as e:
         traceback.print_exc()
         planted = dict(raised=False, seconds=float("nan"), message=f"{type(e).__name__}: {e}")
-    print(f"\n| case | B | rows | per-step logits err (synced state, {args.steps} steps) | state err | near-tie "
+    print(f"\n| case | B | rows | per-step logits err (synced state, {args.steps} steps) | per-step floor (CPU "
+          "reference, same state) | state err | near-tie "
           "flips (violations) | free-running err | CPU-vs-GPU reference, free-running | tokens equal (free) | "
           "worst per-op local err | delay-injected per-step err (logits, or state x 0.4) | compile s | kernel us (graph) | pass |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fl = f"{r['floor']:.1e}" if r["floor"] is not None else "-"
         de = f"{r['delay_err']:.1e}" if r["delay_err"] is not None else "-"
-        print(f"| {r['case']} | {r['batch']} | {r['rows']} | {r['step']:.1e} | {r['state']:.1e} | {r['flips']} "
+        sf = f"{r['step_floor']:.1e}" if r["step_floor"] is not None else "-"
+        print(f"| {r['case']} | {r['batch']} | {r['rows']} | {r['step']:.1e} | {sf} | {r['state']:.1e} | {r['flips']} "
               f"({r['violations']}) | {r['free']:.1e} | {fl} | {r['agree']} | {r['worst_local']:.1e} | {de} | "
               f"{r['compile_s']:.0f} | {r['graph_us']:.0f} | {'yes' if r['ok'] else 'NO'} |")
         for e, k, v in r["bisect_bad"]:

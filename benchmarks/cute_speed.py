@@ -31,6 +31,7 @@ from _timing import median_us  # benchmarks/_timing.py (this script's folder)
 
 HBM_TBPS = 4.16
 SAVE_DIR = os.environ.get("FUSEC_PROFILE_DIR")   # set: also save each profile (torch.save)
+PREFETCH_KB = [0, 16, 64]   # --prefetch-kb
 
 
 def model_path() -> str:
@@ -99,6 +100,7 @@ def kind_table(run, prof, expert_scale: float) -> list[tuple[str, float, float]]
         if k is None or prof[i, 2] <= 0:
             continue
         spans.setdefault(k, []).append((int(prof[i, 1]), int(prof[i, 2])))
+    durs = {k: sorted((b - a) / 1e3 for a, b in iv) for k, iv in spans.items()}
     out = []
     for k, iv in spans.items():
         iv.sort()
@@ -111,7 +113,8 @@ def kind_table(run, prof, expert_scale: float) -> list[tuple[str, float, float]]
                 cur_e = max(cur_e, b)
         busy += cur_e - cur_s
         kb = sum(bytes_of[t] for t in kind_of if kind_of[t] == k)
-        out.append((k, busy / 1e3, kb))
+        d = durs[k]
+        out.append((k, busy / 1e3, kb, len(d), d[len(d) // 2], d[-1]))
     return sorted(out, key=lambda r: -r[2])
 
 
@@ -138,9 +141,24 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
     run.run(tok, torch.full((batch,), pos, dtype=torch.int32, device="cuda"))  # real routing in the arena
     nbytes = step_bytes(run, pos)
     actual, model = routed_expert_bytes(run)
-    gr = run.kernel.capture_graph()
-    t_kernel = median_us(gr.replay, reps)
-    run.kernel.check()
+    # The kernel as built (default prefetch table) and the same kernel with the prefetch ranges
+    # capped at each --prefetch-kb size (PF words are run-time data: no recompilation), timed in
+    # 3 interleaved rounds of `reps` graph replays each; the median round counts. The first
+    # round also warms the clocks: a single first measurement after the build ran up to 8%
+    # slower than later ones on the H200.
+    pf = {"default": (run.kernel, run.kernel.capture_graph(), [])}
+    for cap in PREFETCH_KB:
+        rows = [dataclasses.replace(t, pf_bytes=min(t.pf_bytes, cap * 1024), pf_addr=t.pf_addr if cap else 0)
+                for t in run.plan.tasks]
+        mk = run.kernel.sibling(run.plan.with_tasks(rows))
+        pf[cap] = (mk, mk.capture_graph(), [])
+    for _ in range(3):
+        for cap, (mk, g, ts) in pf.items():
+            ts.append(median_us(g.replay, reps))
+            mk.check()
+    t_kernel = sorted(pf.pop("default")[2])[1]
+    pf_us = {cap: sorted(ts)[1] for cap, (_, _, ts) in pf.items()}
+    del pf
     prof_plan = dataclasses.replace(run.plan, profile=True)
     mk = Megakernel(prof_plan)
     mk.step()
@@ -161,7 +179,7 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
     top = [(float(body[i]), run.plan.tasks[i]) for i in body.argsort(descending=True)[:8].tolist()]
     eager = reference_us(run, batch, pos)
     return dict(batch=batch, rows=len(run.plan.tasks), build_s=t_build, kernel_us=t_kernel, bytes=nbytes,
-                tbps=nbytes / t_kernel / 1e6, roof=nbytes / (HBM_TBPS * 1e12) * 1e6, kinds=kinds,
+                pf_us=pf_us, tbps=nbytes / t_kernel / 1e6, roof=nbytes / (HBM_TBPS * 1e12) * 1e6, kinds=kinds,
                 prof_wall_us=wall, eager_us=eager, top=top,
                 body_us=float(body.sum()), wait_us=float(wait.sum()), ctas=len(run.plan.queues))
 
@@ -172,7 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--prefetch-kb", default="0,16,64", help="prefetch caps to time (KiB per row, 0 = none)")
     args = ap.parse_args(argv)
+    PREFETCH_KB[:] = [int(x) for x in args.prefetch_kb.split(",")]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, config {args.config}, "
           f"position {args.max_len - 1}", flush=True)
     rows = []
@@ -184,22 +204,26 @@ def main(argv=None) -> int:
             continue
         rows.append(r)
         print(f"  B={b}: kernel {r['kernel_us']:.0f} us, {r['bytes'] / 1e9:.2f} GB -> {r['tbps']:.2f} TB/s "
-              f"({r['roof'] / r['kernel_us'] * 100:.0f}% of roofline {r['roof']:.0f} us); reference eager "
+              f"({r['roof'] / r['kernel_us'] * 100:.0f}% of roofline {r['roof']:.0f} us); prefetch cap KiB -> us: "
+              + ", ".join(f"{c}: {u:.0f}" for c, u in r['pf_us'].items()) + "; reference eager "
               f"{r['eager_us']:.0f} us", flush=True)
         print(f"  per op kind (profile build, step wall {r['prof_wall_us']:.0f} us):", flush=True)
-        for k, us, kb in r["kinds"]:
-            print(f"    {k:<24} busy {us:8.1f} us  {kb / 1e6:9.1f} MB  {kb / max(us, 1e-9) / 1e6:6.2f} TB/s", flush=True)
+        for k, us, kb, n, med, mx in r["kinds"]:
+            print(f"    {k:<24} busy {us:8.1f} us  {kb / 1e6:9.1f} MB  {kb / max(us, 1e-9) / 1e6:6.2f} TB/s"
+                  f"  rows {n:5d}  row median {med:7.1f} us  max {mx:7.1f} us", flush=True)
         print(f"  CTA time: bodies {r['body_us'] / r['ctas']:.0f} us, waits {r['wait_us'] / r['ctas']:.0f} us per CTA "
               f"({r['ctas']} CTAs); longest rows:", flush=True)
         for us, t in r["top"]:
             print(f"    {us:8.1f} us  task {t.task_id} {t.opcode.name} sub {t.sub} rows {t.n0}..{t.n1} k {t.k} "
                   f"p0 {t.p0} p1 {t.p1}", flush=True)
         torch.cuda.empty_cache()
-    print("\n| B | rows | kernel us (median) | GB read | TB/s | % of roofline | reference eager us |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| B | rows | kernel us (median) | GB read | TB/s | % of roofline | prefetch cap KiB: us | "
+          "reference eager us |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['rows']} | {r['kernel_us']:.0f} | {r['bytes'] / 1e9:.2f} | {r['tbps']:.2f} | "
-              f"{r['roof'] / r['kernel_us'] * 100:.0f}% | {r['eager_us']:.0f} |")
+              f"{r['roof'] / r['kernel_us'] * 100:.0f}% | "
+              + " ".join(f"{c}: {u:.0f}" for c, u in r['pf_us'].items()) + f" | {r['eager_us']:.0f} |")
     return 0 if rows else 1
 
 

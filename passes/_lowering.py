@@ -22,6 +22,10 @@ from fusec.ir.types import Kind, TensorType
 
 COMPUTE = Instr(InstrKind.COMPUTE)
 MIN_TASK_BYTES = 128 * 1024     # a task streams at least this much (~4 us at its share vs 1.5 us overhead)
+# An elementwise-only unit gets at least one task per this many output elements: its inputs are
+# a few KB, but its math is not (SiTU-GLU of 16896 columns in one task took 31 us on the H200,
+# on the critical path, while every other CTA waited).
+EW_TASK_ELEMENTS = 2048
 ALIGN = 8                       # GEMV tile rows are a multiple of this (16-byte bf16 vectors)
 
 GEMV_OPS = {"linear", "mla_q_absorb", "mla_v_up"}
@@ -278,7 +282,7 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
         if not elementwise or not s:
             return [None], body          # one task; every op computes its whole output
         nb = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs)
-        n = min(ctx.sms, max(1, math.ceil(nb / MIN_TASK_BYTES)))
+        n = min(ctx.sms, s[-1], max(1, math.ceil(nb / MIN_TASK_BYTES), math.ceil(math.prod(s) / EW_TASK_ELEMENTS)))
         return [fb[:-1] + (r,) for r in splits(s[-1], n, 1)], body
     w = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs if ctx.kind[v.name] is Kind.weight)
     if anchor.opname in EXPERT_OPS:
@@ -307,6 +311,8 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
     elif anchor.opname == "kda_recurrent":
         w += ctx.nbytes(anchor.inputs[5], ctx.fb[anchor.inputs[5].name])
     n = min(ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
+    if anchor.opname == "kda_recurrent":   # latency-bound per head: one head per task when SMs allow
+        n = max(n, min(ctx.sms, anchor.attrs["heads"]))
     return [fb[:-1] + (r,) for r in _cuts(s[-1], n, tuple(rules))], anchor.opname
 
 

@@ -60,6 +60,31 @@ def test_memory_plan_views_and_offsets(llama_low):
     assert low2.memory.describe() == mem.describe()
 
 
+def test_weight_prefetch_ranges_are_static_weights_only(llama_low):
+    """Every GEMV row names the first bytes of its own weight tile for the prefetch across its
+    wait; the ranges move with the arena base; a range naming an activation is rejected."""
+    from fusec.backends.cute.prefetch import PREFETCH_BYTES, PrefetchError, check_prefetch
+    from fusec.ir.types import Kind
+    _, _, low = llama_low
+    gemv = [r for r in low.rows if r.opcode == Opcode.GEMV_BF16]
+    assert gemv and all(0 < r.pf_bytes <= PREFETCH_BYTES and r.pf_bytes % 16 == 0 for r in gemv)
+    for r in gemv:
+        assert r.pf_addr == r.a0 + r.n0 * r.k * 2
+        assert r.pf_bytes <= (r.n1 - r.n0) * r.k * 2
+    assert all(r.pf_bytes == 0 for r in low.rows if r.opcode != Opcode.GEMV_BF16)
+    check_prefetch(low.rows, low.memory)     # passes as lowered
+    base = 1 << 20
+    plan = low.plan(base=base)
+    assert all(p.pf_addr == r.pf_addr + base for p, r in zip(plan.tasks, low.rows) if r.pf_bytes)
+    act = next(g for g in low.memory.regions.values() if g.kind is Kind.act and g.nbytes >= 16)
+    bad = [dataclasses.replace(gemv[0], pf_addr=act.offset, pf_bytes=16)]
+    with pytest.raises(PrefetchError, match="only static weights"):
+        check_prefetch(bad, low.memory)
+    past = [dataclasses.replace(gemv[0], pf_bytes=gemv[0].pf_bytes + (1 << 24))]   # 16 MiB past the tile
+    with pytest.raises(PrefetchError, match="not inside one region"):
+        check_prefetch(past, low.memory)
+
+
 def test_rows_follow_queues_waits_and_signals(llama_low):
     _, prog, low = llama_low
     s = prog.schedule

@@ -121,8 +121,8 @@ def test_every_activation_load_is_produced_first(tiny):
             # otherwise: the previous step's value of a parameter, and nobody overwrites it first
             assert name in params and kinds[name] in (Kind.state, Kind.io), (t.id, i.region)
             for p, b in stores[name]:
-                if p != t.id:
-                    assert t.id in before[p] or not any(
+                if p != t.id:   # two boxes overlap only if they overlap in every dimension
+                    assert t.id in before[p] or not all(
                         b0 < a1 and a0 < b1 for (a0, a1), (b0, b1) in zip(i.region.box, b)), (t.id, p, name)
 
 

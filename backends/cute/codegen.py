@@ -18,9 +18,9 @@ import types
 
 import jinja2
 
-from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ERR_WORDS, KDA_MAX_HEAD_DIM, MLA_MAX_LORA, MLA_MAX_ROPE,
-                   MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS, ROUTER_MAX_TOPK, ROUTER_PER_THREAD, ROW_WORDS, ErrWord, EwOp,
-                   ExpertMode, F32Flag, KernelPlan, Word)
+from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ATTN_RES_VECS, ERR_WORDS, KDA_MAX_HEAD_DIM, MLA_MAX_CHUNKS,
+                   MLA_MAX_LORA, MLA_MAX_ROPE, MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS, ROUTER_MAX_TOPK,
+                   PF_LOOKAHEAD, ROUTER_PER_LANE, ROW_WORDS, ErrWord, EwOp, ExpertMode, F32Flag, KernelPlan, Word)
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
 DEFAULT_ARCH = "sm_90a"
@@ -41,16 +41,19 @@ def render(plan: KernelPlan) -> str:
         words=list(Word),
         err_fields=list(ErrWord),
         row_words=ROW_WORDS,
+        pf_lookahead=PF_LOOKAHEAD,
         err_words=ERR_WORDS,
         ew_ops=list(EwOp),
         expert_modes=list(ExpertMode),
         f32_flags=list(F32Flag),
-        router_per_thread=ROUTER_PER_THREAD,
+        router_per_lane=ROUTER_PER_LANE,
         router_max_topk=ROUTER_MAX_TOPK,
         attn_res_max_sources=ATTN_RES_MAX_SOURCES,
+        attn_res_vecs=ATTN_RES_VECS,
         kda_max_d=KDA_MAX_HEAD_DIM,
         mla_max_lora=MLA_MAX_LORA,
         mla_max_rope=MLA_MAX_ROPE,
+        mla_max_chunks=MLA_MAX_CHUNKS,
         attn_max_d=ATTN_MAX_HEAD_DIM,
         mla_modes=list(MlaMode),
         prof_offset_words=PROF_OFFSET_WORDS,

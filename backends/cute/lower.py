@@ -13,7 +13,9 @@ Rules (the core's protocol, docs/cute_backend.md):
   its last row (extra SIGNALs on trailing NOP rows), so every counter gets one increment per task;
 - a prologue computed by every tile of a group (rms_norm before a GEMV) writes a per-task scratch
   tensor, never the shared value (two CTAs would race on it);
-- an op without a body stops the lowering with one line naming it (never skipped).
+- an op without a body stops the lowering with one line naming it (never skipped);
+- GEMV rows name the first bytes of their weight tile (PF words) so that a waiting CTA can pull
+  them into L2; `check_prefetch` proves every such range is a static weight (prefetch.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from fusec.ir.types import DType, Kind, TensorType
 
 from .lower_k3 import K3_OPS, K3Lowering
 from .memory import MemoryPlan, View, build_memory_plan
+from .prefetch import add_weight_prefetch, check_prefetch
 from .plan import (H200_SMS, NO_EVENT, EwOp, F32Flag, KernelPlan, Opcode, TaskRow, f32_bits, f32_pair)
 
 ADDR_FIELDS = ("a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7")
@@ -111,6 +114,9 @@ def lower_schedule(schedule: Schedule) -> Lowered:
         queues.append(tuple(i for tid in q for i in first_row[tid]))
     if len(queues) > H200_SMS:
         raise LoweringError(f"cute lowering: {len(queues)} SM queues exceed the {H200_SMS} CTAs of an H200")
+    rows = add_weight_prefetch(rows, mem)
+    check_prefetch(rows, mem)
+    fields = [fs + ("pf_addr",) if r.pf_bytes else fs for r, fs in zip(rows, fields)]
     return Lowered(schedule, mem, tuple(rows), tuple(fields), tuple(queues),
                    len(schedule.events), int(dims["B"]), consts)
 

@@ -39,6 +39,11 @@ queue[c, 0] .. queue[c, 1] - 1 (queue is int32 [num_ctas, 2]). Word layout of on
   22    P1             EXPERT_*: top-k (row stride of ids/weights); EW: `F32Flag` bits
   23    P2             EW: head_dim (L2_NORM, GATED_RMS, KDA_GATE per head), conv width (CONV), slots (WSUM);
                        EXPERT_*: batch rows b0 << 16 | b1
+  24    PF_ADDR        start of a static-weight byte range the task will read (0 = none)
+  25    PF_BYTES       its length (a multiple of 16): while a CTA waits at row t, thread 0 prefetches
+                       the ranges of rows t .. t + PF_LOOKAHEAD - 1 into L2. Only weights may be
+                       named (rule: only static weights are prefetched across a wait); the
+                       lowering fills and checks these words, `KernelPlan` checks the alignment.
 
 Events are int32 counters that only grow: nothing is reset between steps, so one launch per
 step (or one CUDA-graph replay) is enough. A task that needs several waits is preceded in its
@@ -51,7 +56,9 @@ import enum
 import struct
 from typing import Sequence
 
-ROW_WORDS = 24
+ROW_WORDS = 26
+# Rows ahead (the waiting row included) whose weight ranges a waiting CTA prefetches.
+PF_LOOKAHEAD = 2
 H200_SMS = 132
 NO_EVENT = -1
 
@@ -83,6 +90,8 @@ class Word(enum.IntEnum):
     P0 = 21
     P1 = 22
     P2 = 23
+    PF_ADDR = 24
+    PF_BYTES = 25
 
 
 class ErrWord(enum.IntEnum):
@@ -132,7 +141,7 @@ class Opcode(enum.IntEnum):
     ROUTER     one token per row b in N0..N1: scores = sigmoid(logits A0 [B, LDX] (F32Flag.A0)),
                top-P0 of scores + bias (A1 fp32 [K]), weights = scores[ids] / sum * scale
                (AUX = f32_pair(scale, 0)) -> A2 fp32 [B, LDY], ids -> A3 int32 [B, LDY].
-               K = number of experts (<= ROUTER_PER_THREAD * threads), P0 = top-k (<= 32).
+               K = number of experts (<= 32 * ROUTER_PER_LANE), P0 = top-k (<= 32).
     KDA        gated delta rule step (kda_recurrent) for items i in N0..N1, i = b * H + head
                (H = P0, head dim D = K, D divides threads, D <= 128): state S fp32 [B, H, D, D]
                at A3 updated in place, S <- diag(exp g) S; u = v - k^T S; S += beta k u^T;
@@ -222,13 +231,16 @@ class F32Flag(enum.IntFlag):
     A3 = 8
 
 
-# ROUTER: scores each thread keeps in registers (experts <= ROUTER_PER_THREAD * threads).
-ROUTER_PER_THREAD = 4
+# ROUTER: scores each lane keeps in registers (one warp per token: experts <= 32 * ROUTER_PER_LANE).
+ROUTER_PER_LANE = 32
 ROUTER_MAX_TOPK = 32
 ATTN_RES_MAX_SOURCES = 16
+# ATTN_RES: 16-byte vectors per thread (the row stays in registers): K <= 8 * threads * this.
+ATTN_RES_VECS = 2
 KDA_MAX_HEAD_DIM = 128
 MLA_MAX_LORA = 512
 MLA_MAX_ROPE = 64
+MLA_MAX_CHUNKS = 1024  # COMBINE keeps one weight per chunk in shared memory
 ATTN_MAX_HEAD_DIM = 128
 
 
@@ -283,6 +295,8 @@ class TaskRow:
     wait_per_step: int = 0
     wait_offset: int = 0
     signal_event: int = NO_EVENT
+    pf_addr: int = 0
+    pf_bytes: int = 0
 
     def words(self) -> list[int]:
         """The ROW_WORDS int64 words of this row, in `Word` order."""
@@ -298,6 +312,7 @@ class TaskRow:
         w[Word.LDX], w[Word.LDY], w[Word.AUX] = self.ldx, self.ldy, self.aux
         w[Word.A4], w[Word.A5], w[Word.A6], w[Word.A7] = self.a4, self.a5, self.a6, self.a7
         w[Word.SUB], w[Word.P0], w[Word.P1], w[Word.P2] = int(self.sub), self.p0, self.p1, self.p2
+        w[Word.PF_ADDR], w[Word.PF_BYTES] = self.pf_addr, self.pf_bytes
         return w
 
     def threshold(self, step: int) -> int:
@@ -344,18 +359,35 @@ class KernelPlan:
             for ev in (t.wait_event, t.signal_event):
                 if ev != NO_EVENT and not 0 <= ev < self.num_events:
                     raise ValueError(f"task {t.task_id}: event {ev} out of range")
-            if t.opcode == Opcode.ROUTER and (t.k > ROUTER_PER_THREAD * self.threads
-                                              or not 0 < t.p0 <= ROUTER_MAX_TOPK):
+            if t.pf_bytes < 0 or t.pf_bytes % 16 or t.pf_addr % 16:
+                raise ValueError(f"task {t.task_id}: prefetch range ({t.pf_addr}, {t.pf_bytes} bytes) must be "
+                                 "16-byte aligned with a length that is a multiple of 16")
+            if t.opcode == Opcode.ROUTER and (t.k > 32 * ROUTER_PER_LANE or not 0 < t.p0 <= ROUTER_MAX_TOPK):
                 raise ValueError(f"task {t.task_id}: router needs experts <= "
-                                 f"{ROUTER_PER_THREAD * self.threads} and 0 < topk <= {ROUTER_MAX_TOPK}")
+                                 f"{32 * ROUTER_PER_LANE} and 0 < topk <= {ROUTER_MAX_TOPK}")
             if t.opcode == Opcode.KDA and (t.k > KDA_MAX_HEAD_DIM or self.threads % max(1, t.k)
                                            or t.k * t.k % self.threads):
                 raise ValueError(f"task {t.task_id}: KDA head dim {t.k} must be <= {KDA_MAX_HEAD_DIM}, "
                                  f"divide threads={self.threads} and D*D be a multiple of it")
             if t.opcode == Opcode.ATTN_RES and not 0 < t.p1 <= ATTN_RES_MAX_SOURCES:
                 raise ValueError(f"task {t.task_id}: attn_res needs 1..{ATTN_RES_MAX_SOURCES} sources")
-            if t.opcode == Opcode.MLA and (t.k > MLA_MAX_LORA or t.p2 > MLA_MAX_ROPE):
-                raise ValueError(f"task {t.task_id}: MLA needs kv_lora <= {MLA_MAX_LORA}, rope <= {MLA_MAX_ROPE}")
+            if t.opcode == Opcode.MLA and (t.k > MLA_MAX_LORA or t.p2 > MLA_MAX_ROPE or t.p1 > MLA_MAX_CHUNKS):
+                raise ValueError(f"task {t.task_id}: MLA needs kv_lora <= {MLA_MAX_LORA}, rope <= {MLA_MAX_ROPE}, "
+                                 f"chunks <= {MLA_MAX_CHUNKS}")
+            # 16-byte vector loads: MLA PARTIAL (q_lat, q_pe through its strides, cache rows),
+            # ATTN_RES (source, weight and output rows), ARGMAX (logit rows).
+            if t.opcode == Opcode.MLA and t.sub == MlaMode.PARTIAL and (
+                    t.k % 8 or t.p2 % 8 or not t.p2 or t.a6 % 8 or t.a7 % 8 or t.a1 % 16):
+                raise ValueError(f"task {t.task_id}: MLA PARTIAL needs kv_lora and rope multiples of 8, "
+                                 "q_pe 16-byte aligned with strides of 8 elements")
+            if t.opcode == Opcode.ATTN_RES and t.k > 8 * ATTN_RES_VECS * self.threads:
+                raise ValueError(f"task {t.task_id}: ATTN_RES width {t.k} > {8 * ATTN_RES_VECS * self.threads} "
+                                 f"(8 x ATTN_RES_VECS x threads)")
+            if t.opcode == Opcode.ATTN_RES and (t.k % 8 or t.ldx % 8 or t.ldy % 8 or t.p0 % 8):
+                raise ValueError(f"task {t.task_id}: ATTN_RES needs width, row and source strides "
+                                 "multiples of 8 (16-byte rows)")
+            if t.opcode == Opcode.ARGMAX and t.ldx % 8:
+                raise ValueError(f"task {t.task_id}: ARGMAX needs a row stride multiple of 8 (16-byte rows)")
             if t.opcode == Opcode.ATTENTION and not (0 < t.k <= ATTN_MAX_HEAD_DIM and t.k % 32 == 0):
                 raise ValueError(f"task {t.task_id}: attention head dim {t.k} must be a multiple of 32 "
                                  f"up to {ATTN_MAX_HEAD_DIM}")

@@ -48,6 +48,20 @@ class Megakernel:
         self.steps_launched = 0
         self.set_tasks(plan)
 
+    def sibling(self, plan: KernelPlan) -> "Megakernel":
+        """Another instance of this compiled kernel with its own table, events, error buffer and
+        step counter (no recompilation): e.g. the same step with a different prefetch table."""
+        import torch
+
+        mk = object.__new__(Megakernel)
+        mk.plan, mk.device, mk.compiled, mk.module_path = self.plan, self.device, self.compiled, self.module_path
+        mk.events = torch.zeros_like(self.events)
+        mk.err = torch.zeros_like(self.err)
+        mk.step_buf = torch.zeros_like(self.step_buf)
+        mk.steps_launched = 0
+        mk.set_tasks(plan)
+        return mk
+
     def set_tasks(self, plan: KernelPlan) -> None:
         """Upload a table for the same compiled kernel (new addresses, same shape of work)."""
         import torch

@@ -1,0 +1,69 @@
+"""Weight prefetch across waits: which bytes a waiting CTA may pull into L2, and the proof.
+
+A CTA that waits on an event idles. The weights of the task it waits for (and of the row
+after it, `PF_LOOKAHEAD`) are static, so they can be read before the producer signals; anything
+else could be stale (DESIGN.md: only static weights may be prefetched across a wait). The
+lowering names one range per GEMV row in the PF_ADDR / PF_BYTES words (the first
+`PREFETCH_BYTES` of the tile's weight rows); the kernel issues `cp.async.bulk.prefetch.L2` for
+them, which moves nothing into registers, only into L2.
+
+`check_prefetch` is the rule's proof on the lowered rows: every range lies inside one region of
+kind `weight`. It runs on every lowering, so a range naming an activation, a cache or scratch
+is rejected before a kernel exists.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from fusec.ir.types import Kind
+
+from .memory import MemoryPlan
+from .plan import Opcode, TaskRow
+
+# Bytes per row prefetched: 132 CTAs x PF_LOOKAHEAD rows x 64 KiB = 17 MB, a third of the
+# H200's 50 MB L2, so prefetches do not evict each other or the activations.
+PREFETCH_BYTES = 64 * 1024
+
+
+class PrefetchError(ValueError):
+    """A prefetch range that is not inside a static weight."""
+
+
+def _weight_bytes(row: TaskRow) -> int:
+    """Bytes of one weight row of a GEMV task (0: not a streamed-weight body)."""
+    if row.opcode == Opcode.GEMV_BF16:
+        return row.k * 2
+    if row.opcode == Opcode.GEMV_MXFP4:
+        return row.k // 2
+    return 0
+
+
+def add_weight_prefetch(rows, mem: MemoryPlan, nbytes: int = PREFETCH_BYTES) -> list[TaskRow]:
+    """Rows with PF words set for GEMV tiles (rows hold arena offsets; PF_ADDR is an offset too
+    and is relocated with A0). Expert GEMVs get none: their weights depend on the router."""
+    out = []
+    for r in rows:
+        wb = _weight_bytes(r)
+        n = min(nbytes, (r.n1 - r.n0) * wb) // 16 * 16
+        if wb and n > 0:
+            r = dataclasses.replace(r, pf_addr=r.a0 + r.n0 * wb, pf_bytes=n)
+        out.append(r)
+    return out
+
+
+def check_prefetch(rows, mem: MemoryPlan) -> None:
+    """Raise PrefetchError unless every PF range of `rows` (arena offsets) is inside a weight."""
+    regions = sorted(mem.regions.values(), key=lambda g: g.offset)
+    starts = [g.offset for g in regions]
+    for r in rows:
+        if not r.pf_bytes:
+            continue
+        i = bisect.bisect_right(starts, r.pf_addr) - 1
+        g = regions[i] if i >= 0 else None
+        if g is None or r.pf_addr + r.pf_bytes > g.offset + g.nbytes:
+            raise PrefetchError(f"task {r.task_id}: prefetch range at arena offset {r.pf_addr} "
+                                f"({r.pf_bytes} bytes) is not inside one region")
+        if g.kind is not Kind.weight:
+            raise PrefetchError(f"task {r.task_id}: prefetch of '{g.name}' ({g.kind.value}) across a wait: "
+                                "only static weights may be prefetched")

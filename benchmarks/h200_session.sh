@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device-tool call on the H200 (see DEVELOPERS.md / the README's GPU section): install the
+# CuTe DSL bundle if this call carries part 2, install fusec, then run the named stages from a
+# scratch folder (the checkout's tests/ and benchmarks/ copied there, so its folders do not
+# shadow the installed package). Logs go to $OUT (the device tool brings them back).
+#
+#   bash benchmarks/h200_session.sh speed model-k3 model-small tests
+set -u
+[ -f .gpu-bundle/part2/install.sh ] && { bash .gpu-bundle/part2/install.sh || exit 3; }
+export PYTHONPATH=/tmp/fusec-pkg:/tmp/fusec-site:/tmp/fusec-site/nvidia_cutlass_dsl/dsl_packages
+python3 -c "import cutlass" 2>/dev/null || { echo "CuTe DSL not staged: run .gpu-bundle/part1/stage.sh first"; exit 3; }
+python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/fusec-pkg --upgrade . >/dev/null 2>&1
+OUT=${OUT:-/tmp/fusec-out}
+mkdir -p "$OUT"
+rm -rf /tmp/w && mkdir -p /tmp/w && cp -r tests benchmarks /tmp/w/ && cd /tmp/w
+for stage in "$@"; do
+  case $stage in
+    speed) FUSEC_PROFILE_DIR=$OUT timeout 420 python3 benchmarks/cute_speed.py --config slice4 --batches 1,4,16 \
+             --reps 20 --prefetch-kb 0,64 2>&1 | grep -v Warn | tee "$OUT/speed.log" | tail -30 ;;
+    model-k3) timeout 540 python3 benchmarks/cute_model.py --cases kimi_k3:slice4,kimi_k3:slice4-e128 \
+                --batches 1,4,16 --delay-cases none 2>&1 | grep -v Warning > "$OUT/model_k3.log"; tail -14 "$OUT/model_k3.log" ;;
+    model-small) timeout 400 python3 benchmarks/cute_model.py --cases kimi_k3:tiny,llama:tiny,llama:llama-3.2-1b \
+                   --batches 1,4,16 --delay-cases llama:tiny,kimi_k3:tiny 2>&1 | grep -v Warning > "$OUT/model_small.log"
+                 tail -16 "$OUT/model_small.log" ;;
+    tests) timeout 400 python3 -m pytest -q -m gpu tests/gpu -p no:warnings 2>&1 | tail -8 | tee "$OUT/pytest_gpu.log" ;;
+    *) echo "unknown stage $stage (speed, model-k3, model-small, tests)"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,70 @@
+"""How much the random K3 `tiny` model amplifies a small perturbation of one op kind (CPU).
+
+The bf16 reference over the lowered graph runs `--warm` steps from random tokens, then one more
+step is repeated with each op kind's outputs multiplied by (1 + eps * N(0, 1)); the printed
+number is the relative change of that step's logits. A well-conditioned model moves its logits
+by about eps; this one moves them by 150 x eps to 1e4 x eps (residual adds, linears, attn_res:
+routing flips), which is why a one-ulp
+bf16 rounding difference (a different fp32 summation order inside one op) can put a correct
+kernel past the 2e-2 logits bar at single steps (docs/cute_backend.md, "Checking").
+
+    python benchmarks/k3_sensitivity.py [--eps 1e-4] [--warm 3] [--batch 1]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from fusec.api import ReferenceRunner
+from fusec.backends.cute.runner import lower_graph
+from fusec.backends.reference.ranks import materialize_weights
+from fusec.loader import load_graph
+from fusec.weights import random_weights
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--eps", type=float, default=1e-4)
+    ap.add_argument("--warm", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args(argv)
+    import fusec.models as m
+    g, _ = load_graph(os.path.join(os.path.dirname(m.__file__), "kimi_k3.py"), "tiny")
+    prog, _ = lower_graph(g, args.batch, 16)
+    pg = prog.graph
+    w = materialize_weights(pg, random_weights(g), 0, "bf16")
+    dims = {"B": args.batch, "L": 16}
+    gen = torch.Generator().manual_seed(0)
+    vocab = pg.outputs[0].type.shape[-1]
+    warm = ReferenceRunner(pg, w, dims, "cpu", "bf16")
+    for s in range(args.warm):
+        warm.run(torch.randint(0, vocab, (args.batch,), generator=gen, dtype=torch.int32),
+                 torch.full((args.batch,), s, dtype=torch.int32))
+    tok = torch.randint(0, vocab, (args.batch,), generator=gen, dtype=torch.int32)
+    pos = torch.full((args.batch,), args.warm, dtype=torch.int32)
+
+    def step(hook=None):
+        r = ReferenceRunner(pg, w, dims, "cpu", "bf16")
+        r.state = {n: t.clone() for n, t in warm.state.items()}
+        return r.run(tok, pos, hook=hook)[0].float()
+
+    base = step()
+    print(f"K3 tiny, batch {args.batch}, step {args.warm + 1}: logits change for eps = {args.eps:g} "
+          "relative noise on one op kind's outputs")
+    for kind in sorted({op.opname for op in pg.ops}):
+        def hook(op, ins, outs, kind=kind):
+            if op.opname != kind:
+                return outs
+            noisy = torch.Generator().manual_seed(1)
+            return [o * (1 + args.eps * torch.randn(o.shape, generator=noisy).to(o.dtype))
+                    if torch.is_floating_point(o) else o for o in outs]
+        moved = step(hook)
+        print(f"  {kind:<22} {float((moved - base).norm() / base.norm()):.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
