@@ -218,10 +218,6 @@ class EwOp(enum.IntEnum):
                      # fp32 [B, P2] routing weights                              [moe_combine]
 
 
-# EW sub-opcodes handled one warp per head (a reduction), the rest one thread per element.
-EW_PER_HEAD = (EwOp.L2_NORM, EwOp.GATED_RMS, EwOp.RMS)
-
-
 class F32Flag(enum.IntFlag):
     """P1 bits of EW rows (and bit A0 of ROUTER rows): operand is fp32, else bf16."""
 
