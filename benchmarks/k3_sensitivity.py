@@ -2,11 +2,12 @@
 
 The bf16 reference over the lowered graph runs `--warm` steps from random tokens, then one more
 step is repeated with each op kind's outputs multiplied by (1 + eps * N(0, 1)); the printed
-number is the relative change of that step's logits. A well-conditioned model moves its logits
-by about eps; this one moves them by 150 x eps to 1e4 x eps (residual adds, linears, attn_res:
-routing flips), which is why a one-ulp
-bf16 rounding difference (a different fp32 summation order inside one op) can put a correct
-kernel past the 2e-2 logits bar at single steps (docs/cute_backend.md, "Checking").
+number is the relative change of that step's logits, with free routing and with the routers'
+outputs held at the unperturbed step's choice. A well-conditioned model moves its logits by
+about eps; this one (the weights fusec.compile draws, seed 0) moves them by up to 240 x eps with
+routing held and 2000 x eps when an expert flips. So a relative error of 5e-5 inside one op (a
+different fp32 summation order, one bf16 rounding flip) can put a correct kernel past the 2e-2
+logits bar at single steps (docs/cute_backend.md, "Checking").
 
     python benchmarks/k3_sensitivity.py [--eps 1e-4] [--warm 3] [--batch 1]
 """
@@ -32,10 +33,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args(argv)
     import fusec.models as m
-    g, _ = load_graph(os.path.join(os.path.dirname(m.__file__), "kimi_k3.py"), "tiny")
+    g, module = load_graph(os.path.join(os.path.dirname(m.__file__), "kimi_k3.py"), "tiny")
     prog, _ = lower_graph(g, args.batch, 16)
     pg = prog.graph
-    w = materialize_weights(pg, random_weights(g), 0, "bf16")
+    # the weights fusec.compile draws on the CPU (seed 0, the model's init rules)
+    w = materialize_weights(pg, random_weights(g, 0, getattr(module, "WEIGHT_INIT", ())), 0, "bf16")
     dims = {"B": args.batch, "L": 16}
     gen = torch.Generator().manual_seed(0)
     vocab = pg.outputs[0].type.shape[-1]
@@ -51,18 +53,29 @@ def main(argv=None) -> int:
         r.state = {n: t.clone() for n, t in warm.state.items()}
         return r.run(tok, pos, hook=hook)[0].float()
 
-    base = step()
+    routes = {}
+
+    def record(op, ins, outs):
+        if op.opname == "router":
+            routes[op.outputs[0].name] = outs
+        return outs
+
+    base = step(record)
     print(f"K3 tiny, batch {args.batch}, step {args.warm + 1}: logits change for eps = {args.eps:g} "
-          "relative noise on one op kind's outputs")
+          "relative noise on one op kind's outputs (free routing | routing frozen to the unperturbed step)")
     for kind in sorted({op.opname for op in pg.ops}):
-        def hook(op, ins, outs, kind=kind):
-            if op.opname != kind:
-                return outs
-            noisy = torch.Generator().manual_seed(1)
-            return [o * (1 + args.eps * torch.randn(o.shape, generator=noisy).to(o.dtype))
-                    if torch.is_floating_point(o) else o for o in outs]
-        moved = step(hook)
-        print(f"  {kind:<22} {float((moved - base).norm() / base.norm()):.2e}")
+        moved = []
+        for frozen in (False, True):
+            def hook(op, ins, outs, kind=kind, frozen=frozen):
+                if frozen and op.opname == "router":
+                    return routes[op.outputs[0].name]
+                if op.opname != kind:
+                    return outs
+                noisy = torch.Generator().manual_seed(1)
+                return [o * (1 + args.eps * torch.randn(o.shape, generator=noisy).to(o.dtype))
+                        if torch.is_floating_point(o) else o for o in outs]
+            moved.append(float((step(hook) - base).norm() / base.norm()))
+        print(f"  {kind:<22} {moved[0]:.2e} | {moved[1]:.2e}")
     return 0
 
 
