@@ -26,7 +26,8 @@ from fusec.ir.schedule import Instr, InstrKind, Region, Task
 from fusec.ir.types import Kind, TensorType
 
 from . import _lowering
-from ._lowering import Unit, full_box
+from ._lowering import Unit
+from ._regions import full_box
 
 
 def emit_collective(ctx: _Ctx, name: str, op: Op) -> list[Unit]:

@@ -1,6 +1,7 @@
 """Lowering helpers of the `tile` pass: task families (`Unit`), exact regions per op, collectives.
 
-Not a pass. `build_units(graph, dims, opts)` returns (units in topological order, tasks, scratch
+Not a pass. The box each op needs of its inputs for an output tile lives in `_regions.py`.
+`build_units(graph, dims, opts)` returns (units in topological order, tasks, scratch
 buffers). Each task's instructions are LOADs, one COMPUTE and STOREs; events are added later by
 `schedule`, which also resolves the named collective events kept in `Unit.pre` / `Unit.post`.
 Collectives and split-sequence attention are lowered in `passes/_collectives.py`.
@@ -17,8 +18,9 @@ from fusec.cost import gpu_spec, task_time_us
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import Trait
 from fusec.ir.schedule import Instr, InstrKind, Region, Task
-from fusec.ir.ops.mixers import chunk_rows
 from fusec.ir.types import Kind, TensorType
+
+from ._regions import EXPERT_OPS, HEADWISE, full_box, input_boxes, out_boxes
 
 COMPUTE = Instr(InstrKind.COMPUTE)
 MIN_TASK_BYTES = 128 * 1024     # a task streams at least this much (~4 us at its share vs 1.5 us overhead)
@@ -29,11 +31,8 @@ EW_TASK_ELEMENTS = 2048
 ALIGN = 8                       # GEMV tile rows are a multiple of this (16-byte bf16 vectors)
 
 GEMV_OPS = {"linear", "mla_q_absorb", "mla_v_up"}
-EXPERT_OPS = {"moe_gate_up", "moe_down"}
 HEAD_OPS = {"mla_attention_naive", "mla_attention", "attention", "kda_recurrent"}
 COLLECTIVES = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all_dispatch", "all_to_all_combine"}
-# elementwise-on-the-tile ops usable as epilogues; head-wise ones need head-aligned tiles
-HEADWISE = {"gated_rms_norm", "l2_norm", "rope"}   # rope rotates pairs within a head
 
 
 @dataclass
@@ -54,10 +53,6 @@ class Unit:
     named_events: dict[str, int] = field(default_factory=dict)   # event name -> signals per step
     signals_local: bool = True       # its tasks signal the unit's own event (someone waits on it)
     collective: bool = False
-
-
-def full_box(shape) -> tuple[tuple[int, int], ...]:
-    return tuple((0, int(d)) for d in shape)
 
 
 def splits(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -107,86 +102,6 @@ class _Ctx:
 
 
 # -- region rules ----------------------------------------------------------------------------
-def _input_boxes(ctx: _Ctx, op: Op, obox, anchor: bool):
-    """Boxes of `op`'s inputs needed to compute `obox` of its first output."""
-    sh = [ctx.shape[v.name] for v in op.inputs]
-    out = ctx.shape[op.outputs[0].name]
-    full = [ctx.fb[v.name] for v in op.inputs]
-    name = op.opname
-    if name == "linear":
-        return [full[0], (obox[-1], (0, sh[1][1]))]
-    if name == "mla_q_absorb":                      # obox [B, h0:h1, lora]
-        h0, h1 = obox[1]
-        per = op.attrs["nope"] + op.attrs["v_dim"]
-        return [(full[0][0], (h0, h1), full[0][2]), ((h0 * per, h1 * per), full[1][1])]
-    if name == "mla_v_up":                          # obox [B, h0*vd:h1*vd]
-        vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
-        h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
-        return [(full[0][0], (h0, h1), full[0][2]), ((h0 * per, h1 * per), full[1][1])]
-    if name in EXPERT_OPS:                          # obox [b, k, rows]; weights of every expert
-        b, k, rows = obox
-        w = [(full[i][0], rows, full[i][2]) if name == "moe_gate_up" else (full[i][0], rows, full[i][2])
-             for i in range(2, len(sh))]
-        x = (b, full[0][1]) if name == "moe_gate_up" else (b, k, full[0][2])
-        return [x, (b, full[1][1])] + w
-    if name == "mla_attention_naive":               # obox [B, h*vd]
-        vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
-        h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
-        return [(full[0][0], (h0, h1), full[0][2]), (full[1][0], (h0, h1), full[1][2]), full[2],
-                ((h0 * per, h1 * per), full[3][1]), full[4]]
-    if name == "mla_attention_partial":             # obox [c0:c1, B, H, lora+2]: cache chunk rows
-        L, S = sh[2][1], op.attrs["chunks"]
-        rows = (chunk_rows(L, S, obox[0][0])[0], chunk_rows(L, S, obox[0][1] - 1)[1])
-        return [full[0], full[1], (full[2][0], rows, full[2][2]), full[3]]
-    if name == "attention_combine":                 # obox [B, h0:h1, D]
-        return [(full[0][0], full[0][1], obox[1], full[0][3])]
-    if name == "cache_append":                      # writes row pos[b]; reads no cache row
-        return [None, full[1], full[2]]
-    if name == "mla_attention":                     # obox [B, h0:h1, lora]
-        hb = obox[1]
-        return [(full[0][0], hb, full[0][2]), (full[1][0], hb, full[1][2]), full[2], full[3]]
-    if name == "attention":                         # obox [B, h0*D:h1*D]; kv heads of the group
-        d, grp = op.attrs["head_dim"], op.attrs["heads"] // op.attrs["kv_heads"]
-        h0, h1 = obox[-1][0] // d, obox[-1][1] // d
-        kv = ((h0 // grp) * d, ((h1 - 1) // grp + 1) * d)
-        return [obox, (full[1][0], full[1][1], kv), (full[2][0], full[2][1], kv), full[3]]
-    if name == "kda_recurrent":                     # obox [B, h0*D:h1*D]
-        d = op.attrs["head_dim"]
-        h0, h1 = obox[-1][0] // d, obox[-1][1] // d
-        return [obox] * 4 + [(obox[0], (h0, h1)), (obox[0], (h0, h1), full[5][2], full[5][3])]
-    if name == "conv_update":
-        return [obox, (obox[0], obox[1], full[1][2]), (obox[1], full[2][1], full[2][2])]
-    if name == "embedding":
-        return [(full[0][0], obox[-1]), full[1]]
-    # elementwise-like: same-shape operands take the box; vectors along the last dim its range
-    res = []
-    for s, f in zip(sh, full):
-        if tuple(s) == tuple(out):
-            res.append(obox)
-        elif len(s) == 1 and len(out) >= 1 and s[0] == out[-1] and name not in HEADWISE:
-            res.append((obox[-1],))
-        else:
-            res.append(f)
-    return res
-
-
-def _out_boxes(ctx: _Ctx, op: Op, obox):
-    """Boxes of every output given the box of the first (aliased state outputs included)."""
-    res = [obox]
-    for v in op.outputs[1:]:
-        s = ctx.shape[v.name]
-        if op.opname == "kda_recurrent":
-            d = op.attrs["head_dim"]
-            res.append((obox[0], (obox[-1][0] // d, obox[-1][1] // d), (0, s[2]), (0, s[3])))
-        elif op.opname == "conv_update":
-            res.append((obox[0], obox[1], (0, s[2])))
-        elif tuple(s) == tuple(ctx.shape[op.outputs[0].name]):
-            res.append(obox)
-        else:
-            res.append(full_box(s))
-    return res
-
-
 def _anchor_kind(op: Op) -> str | None:
     if op.opname == "mla_attention_partial":
         return "chunks"
@@ -425,7 +340,7 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                 ob = _op_box(ctx, o, boxes, tile)
                 if ob is None:               # this tile holds none of the op's slice
                     continue
-            ins = _input_boxes(ctx, o, ob, o is anchor)
+            ins = input_boxes(ctx, o, ob, o is anchor)
             for i, (v, bx) in enumerate(zip(o.inputs, ins)):
                 vn = v.name
                 if vn in produced_here or bx is None:
@@ -440,7 +355,7 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                         addr[vn] = ctx.storage[o.inputs[src].name]
                         # expert parallel: a slot's expert is on this rank with odds 1 / ep_ranks
                         epf[vn] = 1.0 / o.attrs.get("ep_ranks", 1)
-            for v, bx in zip(o.outputs, _out_boxes(ctx, o, ob)):
+            for v, bx in zip(o.outputs, out_boxes(ctx, o, ob)):
                 boxes[v.name] = bx
             flops += fpe * math.prod([b - a for a, b in ob])
         instrs, nbytes = [], 0.0

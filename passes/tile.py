@@ -8,7 +8,8 @@ and STORE instructions with exact, in-bounds regions (no WAIT/SIGNAL yet, sm = -
 `prog.notes["units"]` lists the task families (`Unit`) in a topological order; `schedule`
 adds events, waits and SM queues.
 
-How a group becomes tasks (the region rules live in `passes/_lowering.py`):
+How a group becomes tasks (tile sizes and families in `passes/_lowering.py`, the region rules in
+`passes/_regions.py`):
 - the anchor is the group's first gemv / expert / attention / recurrence op; the tile is a box
   of its first output; a GEMV splits along output rows, into as many tasks as keep every task
   streaming >= MIN_TASK_BYTES of weights, at most one per SM;
