@@ -14,8 +14,9 @@ Rules (the core's protocol, docs/cute_backend.md):
 - a prologue computed by every tile of a group (rms_norm before a GEMV) writes a per-task scratch
   tensor, never the shared value (two CTAs would race on it);
 - an op without a body stops the lowering with one line naming it (never skipped);
-- GEMV rows name the first bytes of their weight tile (PF words) so that a waiting CTA can pull
-  them into L2; `check_prefetch` proves every such range is a static weight (prefetch.py).
+- a GEMV row whose task LOADs its weight above its waits (the prefetch pass's decision) names the
+  first bytes of its weight tile (PF words) so that a waiting CTA pulls them into L2;
+  `check_prefetch` proves every such range is a static weight (prefetch.py).
 """
 from __future__ import annotations
 
@@ -114,11 +115,21 @@ def lower_schedule(schedule: Schedule) -> Lowered:
         queues.append(tuple(i for tid in q for i in first_row[tid]))
     if len(queues) > H200_SMS:
         raise LoweringError(f"cute lowering: {len(queues)} SM queues exceed the {H200_SMS} CTAs of an H200")
-    rows = add_weight_prefetch(rows, mem)
+    rows = add_weight_prefetch(rows, mem, _hoisted_weight_loads(schedule))
     check_prefetch(rows, mem)
     fields = [fs + ("pf_addr",) if r.pf_bytes else fs for r, fs in zip(rows, fields)]
     return Lowered(schedule, mem, tuple(rows), tuple(fields), tuple(queues),
                    len(schedule.events), int(dims["B"]), consts)
+
+
+def _hoisted_weight_loads(schedule: Schedule) -> dict[int, set[str]]:
+    """Task id -> tensors it LOADs before its first WAIT (what the prefetch pass hoisted)."""
+    out: dict[int, set[str]] = {}
+    for t in schedule.tasks:
+        first = next((i for i, x in enumerate(t.instrs) if x.kind is InstrKind.WAIT), None)
+        if first is not None:
+            out[t.id] = {x.region.tensor for x in t.instrs[:first] if x.kind is InstrKind.LOAD}
+    return out
 
 
 def _scratch_and_consts(schedule: Schedule):

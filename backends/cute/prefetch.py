@@ -2,10 +2,12 @@
 
 A CTA that waits on an event idles. The weights of the task it waits for (and of the row
 after it, `PF_LOOKAHEAD`) are static, so they can be read before the producer signals; anything
-else could be stale (DESIGN.md: only static weights may be prefetched across a wait). The
-lowering names one range per GEMV row in the PF_ADDR / PF_BYTES words (the first
-`PREFETCH_BYTES` of the tile's weight rows); the kernel issues `cp.async.bulk.prefetch.L2` for
-them, which moves nothing into registers, only into L2.
+else could be stale (DESIGN.md: only static weights may be prefetched across a wait). Which
+loads may move above a task's waits is decided by the `prefetch` pass (passes/prefetch.py:
+static weight LOADs hoisted above the first WAIT, proven by the verifier); this module lowers
+those decisions: a GEMV row whose weight its task loads before its waits names the first
+`PREFETCH_BYTES` of its weight tile in the PF_ADDR / PF_BYTES words, and the kernel issues
+`cp.async.bulk.prefetch.L2` for them, which moves nothing into registers, only into L2.
 
 `check_prefetch` is the rule's proof on the lowered rows: every range lies inside one region of
 kind `weight`. It runs on every lowering, so a range naming an activation, a cache or scratch
@@ -39,14 +41,25 @@ def _weight_bytes(row: TaskRow) -> int:
     return 0
 
 
-def add_weight_prefetch(rows, mem: MemoryPlan, nbytes: int = PREFETCH_BYTES) -> list[TaskRow]:
-    """Rows with PF words set for GEMV tiles (rows hold arena offsets; PF_ADDR is an offset too
-    and is relocated with A0). Expert GEMVs get none: their weights depend on the router."""
+def _region_at(mem: MemoryPlan, offset: int):
+    regions = sorted(mem.regions.values(), key=lambda g: g.offset)
+    i = bisect.bisect_right([g.offset for g in regions], offset) - 1
+    g = regions[i] if i >= 0 else None
+    return g if g is not None and offset < g.offset + g.nbytes else None
+
+
+def add_weight_prefetch(rows, mem: MemoryPlan, hoisted: dict[int, set[str]],
+                        nbytes: int = PREFETCH_BYTES) -> list[TaskRow]:
+    """Rows with PF words set for the GEMV tiles whose schedule task loads that weight before its
+    waits (`hoisted`: task id -> tensors of the LOADs the prefetch pass put above the first
+    WAIT). Rows hold arena offsets; PF_ADDR is an offset too and is relocated with A0. Expert
+    GEMVs get none: their weight loads are addressed by router ids, so they stay after the wait."""
     out = []
     for r in rows:
         wb = _weight_bytes(r)
         n = min(nbytes, (r.n1 - r.n0) * wb) // 16 * 16
-        if wb and n > 0:
+        g = _region_at(mem, r.a0) if wb and n > 0 else None
+        if g is not None and g.name in hoisted.get(r.task_id, ()):
             r = dataclasses.replace(r, pf_addr=r.a0 + r.n0 * wb, pf_bytes=n)
         out.append(r)
     return out
@@ -54,13 +67,10 @@ def add_weight_prefetch(rows, mem: MemoryPlan, nbytes: int = PREFETCH_BYTES) -> 
 
 def check_prefetch(rows, mem: MemoryPlan) -> None:
     """Raise PrefetchError unless every PF range of `rows` (arena offsets) is inside a weight."""
-    regions = sorted(mem.regions.values(), key=lambda g: g.offset)
-    starts = [g.offset for g in regions]
     for r in rows:
         if not r.pf_bytes:
             continue
-        i = bisect.bisect_right(starts, r.pf_addr) - 1
-        g = regions[i] if i >= 0 else None
+        g = _region_at(mem, r.pf_addr)
         if g is None or r.pf_addr + r.pf_bytes > g.offset + g.nbytes:
             raise PrefetchError(f"task {r.task_id}: prefetch range at arena offset {r.pf_addr} "
                                 f"({r.pf_bytes} bytes) is not inside one region")
