@@ -34,7 +34,7 @@ import traceback
 import torch
 
 import fusec
-from fusec.backends.cute.bisect import RouteAlign, bisect_step
+from fusec.backends.cute.bisect import RouteAlign, bisect_step, sync_state
 from fusec.backends.cute.workloads import rel_err
 
 MODELS = {"llama": "llama.py", "kimi_k3": "kimi_k3.py"}
@@ -50,7 +50,8 @@ def model_path(name: str) -> str:
     return os.path.join(os.path.dirname(m.__file__), MODELS[name])
 
 
-def drive(kernel_step, ref, vocab, batch, steps, seed, run, cpu_ref=None, synced=None, align=None, cpu_sync=None):
+def drive(kernel_step, ref, vocab, batch, steps, seed, run, cpu_ref=None, synced=None, align=None, cpu_sync=None,
+          exact=None):
     """`steps` teacher-forced steps, the kernel first (so `align` can read its router ids).
 
     Per step: the logits error against `ref` (free running: its own state since step 0), of the
@@ -60,9 +61,11 @@ def drive(kernel_step, ref, vocab, batch, steps, seed, run, cpu_ref=None, synced
     step's error; its state after the step is compared with the kernel's too (a wrong state
     update cannot hide behind the sync). `cpu_sync`: a CPU reference started from the same state
     each step, against the synced GPU one: the per-step floor (another summation order alone).
+    `exact`: the fp32 reference from the same state, on the kernel's experts (RouteAlign with no
+    tolerance): how far the kernel and the bf16 reference each are from the exact step.
     Returns dict of per-step lists and tokens equal."""
     g = torch.Generator().manual_seed(seed)
-    out = dict(free=[], floor=[], step=[], state=[], step_floor=[], agree=0)
+    out = dict(free=[], floor=[], step=[], state=[], step_floor=[], vs_fp32=[], ref_vs_fp32=[], agree=0)
     for s in range(steps):
         tok = torch.randint(0, vocab, (batch,), generator=g, dtype=torch.int32).cuda()
         pos = torch.full((batch,), s, dtype=torch.int32, device="cuda")
@@ -71,6 +74,8 @@ def drive(kernel_step, ref, vocab, batch, steps, seed, run, cpu_ref=None, synced
                 synced.state[n] = run.mem.tensor(n).clone()
                 if cpu_sync is not None:
                     cpu_sync.state[n] = run.mem.tensor(n).cpu()
+            if exact is not None:
+                sync_state(exact, run.mem, run.state_names)
         lk, nk = kernel_step(tok, pos)
         lr, nr = ref.run(tok, pos)
         out["free"].append(rel_err(lk.float(), lr.float()))
@@ -80,6 +85,10 @@ def drive(kernel_step, ref, vocab, batch, steps, seed, run, cpu_ref=None, synced
             out["step"].append(rel_err(lk.float(), la.float()))
             out["state"].append(max(rel_err(run.mem.tensor(n).float(), synced.state[n].float())
                                     for n in run.state_names))
+            if exact is not None:
+                le, _ = exact.run(tok, pos, hook=RouteAlign(run.mem, tol=float("inf")))
+                out["vs_fp32"].append(rel_err(lk.float(), le.float()))
+                out["ref_vs_fp32"].append(rel_err(la.float(), le.float()))
             if cpu_sync is not None:
                 lcs, _ = cpu_sync.run(tok.cpu(), pos.cpu())
                 out["step_floor"].append(rel_err(lcs.float(), la.float().cpu()))
@@ -109,12 +118,14 @@ def case(model: str, config: str, batch: int, steps: int, delay_ns: int) -> dict
     synced = run.lowered_reference()
     align = RouteAlign(run.mem) if moe else None
     cpu_sync = run.lowered_reference("cpu") if tiny else None
-    d = drive(run.run, ref, vocab, batch, steps, 1234 + batch, run, cpu_ref, synced, align, cpu_sync)
+    exact = run.lowered_reference(precision="fp32")
+    d = drive(run.run, ref, vocab, batch, steps, 1234 + batch, run, cpu_ref, synced, align, cpu_sync, exact)
     print(f"  {model}:{config} B={batch}: free-running {_fmt(d['free'])}"
           + (f" | cpu-vs-gpu reference {_fmt(d['floor'])}" if d["floor"] else "")
           + (f" | per-step floor (CPU reference from the same state) {_fmt(d['step_floor'])}"
              if d["step_floor"] else "")
           + f" | per step (synced state) {_fmt(d['step'])}, state {_fmt(d['state'])}"
+          + f" | vs the fp32 step: kernel {_fmt(d['vs_fp32'])}, bf16 reference {_fmt(d['ref_vs_fp32'])}"
           + (f" ({align.flips} near-tie flips followed, max gap {align.max_gap:.1e}, "
              f"{len(align.violations)} violations {align.violations[:3]})" if moe else ""), flush=True)
     # One more step, op by op (positions `steps`; state continues from the drive above).
@@ -161,6 +172,7 @@ def case(model: str, config: str, batch: int, steps: int, delay_ns: int) -> dict
                 step=max(d["step"]), state=max(d["state"]), flips=align.flips if moe else 0, violations=viol,
                 floor=max(d["floor"]) if d["floor"] else None,
                 step_floor=max(d["step_floor"]) if d["step_floor"] else None,
+                vs_fp32=max(d["vs_fp32"]), ref_vs_fp32=max(d["ref_vs_fp32"]),
                 agree=f"{d['agree']}/{steps * batch}",
                 bisect_bad=bad, worst_local=max(v[0] for v in worst.values()), delay_err=derr,
                 compile_s=t_compile, graph_us=t_graph,
@@ -220,15 +232,15 @@ def main(argv=None) -> int:
         traceback.print_exc()
         planted = dict(raised=False, seconds=float("nan"), message=f"{type(e).__name__}: {e}")
     print(f"\n| case | B | rows | per-step logits err (synced state, {args.steps} steps) | per-step floor (CPU "
-          "reference, same state) | state err | near-tie "
+          "reference, same state) | vs fp32 step: kernel / bf16 reference (max) | state err | near-tie "
           "flips (violations) | free-running err | CPU-vs-GPU reference, free-running | tokens equal (free) | "
           "worst per-op local err | delay-injected per-step err (logits, or state x 0.4) | compile s | kernel us (graph) | pass |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fl = f"{r['floor']:.1e}" if r["floor"] is not None else "-"
         de = f"{r['delay_err']:.1e}" if r["delay_err"] is not None else "-"
         sf = f"{r['step_floor']:.1e}" if r["step_floor"] is not None else "-"
-        print(f"| {r['case']} | {r['batch']} | {r['rows']} | {r['step']:.1e} | {sf} | {r['state']:.1e} | {r['flips']} "
+        print(f"| {r['case']} | {r['batch']} | {r['rows']} | {r['step']:.1e} | {sf} | {r['vs_fp32']:.1e} / {r['ref_vs_fp32']:.1e} | {r['state']:.1e} | {r['flips']} "
               f"({r['violations']}) | {r['free']:.1e} | {fl} | {r['agree']} | {r['worst_local']:.1e} | {de} | "
               f"{r['compile_s']:.0f} | {r['graph_us']:.0f} | {'yes' if r['ok'] else 'NO'} |")
         for e, k, v in r["bisect_bad"]:

@@ -69,6 +69,28 @@ def arena_weights(graph: Graph, bound) -> dict:
     return out
 
 
+def arena_reference(graph: Graph, bound, dims, device, precision: str = "bf16"):
+    """A ReferenceRunner over `graph` reading the arena's own weights: the oracle with the
+    kernel's rounding points (bf16), or the same step computed in fp32 (how far each bf16 run is
+    from the exact step). Its state is set per step with `sync_state`."""
+    from fusec.api import ReferenceRunner
+
+    return ReferenceRunner(graph, arena_weights(graph, bound), dims, device, precision)
+
+
+def sync_state(runner, bound, names) -> None:
+    """Start `runner`'s next step from the kernel's current state: a copy of each state tensor in
+    the runner's dtype. Always a copy: `.float()` of an fp32 arena tensor (the KDA state) is the
+    tensor itself, so an fp32 oracle synced that way before the kernel's step saw the kernel's
+    post-step state (0.3-1.2 logits error on K3 tiny, all of it the harness's)."""
+    import torch
+
+    for n in names:
+        t = bound.tensor(n)
+        dt = torch.float32 if runner.precision == "fp32" else t.dtype
+        runner.state[n] = t.to(device=runner.device, dtype=dt, copy=True)
+
+
 def poison_activations(bound) -> None:
     """0xFF over every region the step writes (activations, scratch): NaN / -1 until written."""
     for r in bound.plan.regions.values():

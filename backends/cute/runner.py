@@ -54,17 +54,15 @@ class CuteRunner:
         self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device)
         self.reset()
 
-    def lowered_reference(self, device=None):
+    def lowered_reference(self, device=None, precision: str = "bf16"):
         """A ReferenceRunner over the graph this kernel runs (after canonicalize, fuse and tile),
         reading the arena's own weights (no copy on the kernel's device): the oracle with the
         kernel's rounding points. That those passes preserve the model is tested separately, in
-        fp32 (tests/test_mla_absorb.py, tests/test_passes_graph.py)."""
-        from fusec.api import ReferenceRunner
+        fp32 (tests/test_mla_absorb.py, tests/test_passes_graph.py). precision="fp32": the same
+        graph and weights computed in fp32 (sync its state with `bisect.sync_state`)."""
+        from .bisect import arena_reference
 
-        from .bisect import arena_weights
-
-        g = self.program.graph
-        return ReferenceRunner(g, arena_weights(g, self.mem), self.dims, device or self.device, "bf16")
+        return arena_reference(self.program.graph, self.mem, self.dims, device or self.device, precision)
 
     def reset(self) -> None:
         for n in self.state_names:
