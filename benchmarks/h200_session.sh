@@ -22,7 +22,8 @@ for stage in "$@"; do
     model-small) timeout 400 python3 benchmarks/cute_model.py --cases kimi_k3:tiny,llama:tiny,llama:llama-3.2-1b \
                    --batches 1,4,16 --delay-cases llama:tiny,kimi_k3:tiny 2>&1 | grep -v Warning > "$OUT/model_small.log"
                  tail -16 "$OUT/model_small.log" ;;
-    tests) timeout 400 python3 -m pytest -q -m gpu tests/gpu -p no:warnings 2>&1 | tail -8 | tee "$OUT/pytest_gpu.log" ;;
+    tests) timeout 540 python3 -m pytest -q -rP -m gpu tests/gpu -p no:warnings > "$OUT/pytest_gpu.log" 2>&1
+           grep -E "^step|passed|failed|error" "$OUT/pytest_gpu.log" | tail -60 ;;
     *) echo "unknown stage $stage (speed, model-k3, model-small, tests)"; exit 2 ;;
   esac
 done

@@ -155,3 +155,71 @@ def test_fp32_oracle_from_the_kernel_state(k3):
         assert rel(lk, lr) == 0.0
         assert rel(lk, le) == rel(lr, le)
         assert 1e-4 < rel(lr, le) < 5e-2, f"step {s}: bf16 vs fp32 {rel(lr, le)}"
+
+
+def _gate_run(pg, W, kernel_hook, steps=8, batch=1):
+    """Per step (kernel vs bf16 reference, kernel vs fp32, bf16 reference vs fp32) where the
+    'kernel' is the bf16 reference with `kernel_hook` applied to its op outputs, and the other
+    two start each step from its state on its experts, as the GPU checks do."""
+    from fusec.api import ReferenceRunner
+
+    dims = {"B": batch, "L": L}
+    K, R, X = (ReferenceRunner(pg, W, dims, "cpu", p) for p in ("bf16", "bf16", "fp32"))
+    gen = torch.Generator().manual_seed(11)
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    out = []
+    for s in range(steps):
+        tok = torch.randint(0, 4096, (batch,), generator=gen, dtype=torch.int32)
+        pos = torch.full((batch,), s, dtype=torch.int32)
+        for n in K.state:
+            R.state[n] = K.state[n].clone()
+            X.state[n] = K.state[n].float()       # a copy: the bf16 state converts
+        routes = {}
+
+        def kernel(op, ins, outs):
+            outs = kernel_hook(op, ins, outs)
+            if op.opname == "router":
+                routes[op.outputs[0].name] = outs
+            return outs
+
+        def follow(op, ins, outs):
+            if op.opname == "router":
+                w, ids = routes[op.outputs[0].name]
+                return [w.to(outs[0].dtype), ids]
+            return outs
+        lk = K.run(tok, pos, hook=kernel)[0]
+        lr = R.run(tok, pos, hook=follow)[0]
+        le = X.run(tok, pos, hook=follow)[0]
+        out.append((rel(lk, lr), rel(lk, le), rel(lr, le)))
+    return [list(c) for c in zip(*out)]
+
+
+def test_logits_gate_tells_rounding_from_a_bug():
+    """bisect.logits_run_ok on K3 tiny at batch 1 (the CPU reference, the weights fusec.compile
+    draws): a 'kernel' whose linear outputs carry 1e-4 relative noise (twice the local error the
+    real kernel shows; a different fp32 summation order) is past the issue's 2e-2 at several
+    steps, up to ~4e-2, and the gate accepts it on its fp32 distance; one layer's o_proj 10% low
+    (a real bug) is rejected although some of its steps are under 2e-2 and others under the 5e-2
+    ceiling (mean fp32 distance 2.5x the reference's). Not asserted: 3% low sits at the margin
+    (1.24x), inside this model's noise; the per-op local check is the sharp test for that."""
+    from fusec.backends.cute.bisect import LOGITS_TOL, logits_run_ok
+
+    g = kimi_k3.build_graph("tiny")
+    prog, _ = lower_graph(g, 1, L)
+    pg = prog.graph
+    W = materialize_weights(pg, random_weights(g, 0, kimi_k3.WEIGHT_INIT), 0, "bf16")
+
+    def noisy(op, ins, outs):
+        if op.opname != "linear":
+            return outs
+        gen = torch.Generator().manual_seed(len(op.outputs[0].name))
+        return [o * (1 + 1e-4 * torch.randn(o.shape, generator=gen).to(o.dtype)) for o in outs]
+
+    def o_proj_low(op, ins, outs):
+        return [outs[0] * 0.9] if op.outputs[0].name == "l3.o_proj" else outs
+    errs, k32, r32 = _gate_run(pg, W, noisy)
+    assert sum(e >= LOGITS_TOL for e in errs) >= 3 and not logits_run_ok(errs), errs
+    assert logits_run_ok(errs, k32, r32), (errs, k32, r32)
+    errs, k32, r32 = _gate_run(pg, W, o_proj_low)
+    assert min(errs) < LOGITS_TOL and not logits_run_ok(errs, k32, r32), (errs, k32, r32)
+    assert not logits_run_ok([min(e, 4.9e-2) for e in errs], k32, r32)   # the fp32 arm itself rejects it

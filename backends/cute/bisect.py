@@ -91,6 +91,33 @@ def sync_state(runner, bound, names) -> None:
         runner.state[n] = t.to(device=runner.device, dtype=dt, copy=True)
 
 
+# The logits bar against the bf16 reference (issue 4) and the fp32 arm of `logits_run_ok`.
+LOGITS_TOL = 2e-2
+LOGITS_CEILING = 5e-2     # no step above this is explained by rounding
+ROUNDING_MARGIN = 1.25    # mean distance from the fp32 step: kernel at most this x the bf16 reference's
+
+
+def logits_run_ok(errs, kernel_vs_fp32=None, ref_vs_fp32=None) -> bool:
+    """The logits verdict of a run of steps, each started from the kernel's state. `errs`: the
+    kernel against the bf16 reference per step; the other two: the kernel and the bf16 reference
+    against the fp32 step (same state, the kernel's experts).
+
+    Every step within LOGITS_TOL of the bf16 reference; or, where some step is not (a random model
+    that amplifies one rounding flip, as K3 tiny does: its bf16 reference is itself 1e-2 .. 4e-2
+    from the fp32 step), every step under LOGITS_CEILING and the kernel on average no farther
+    from the fp32 step than the bf16 reference, up to ROUNDING_MARGIN. Averaged over the run
+    because one step's distance is noisy: a rounding-only difference lands 2x farther than the
+    reference at single steps, while a real error keeps the kernel farther at most of them
+    (tests/test_cute_bisect.py::test_logits_gate_tells_rounding_from_a_bug)."""
+    errs = list(errs)
+    if all(e < LOGITS_TOL for e in errs):
+        return True
+    if kernel_vs_fp32 is None or ref_vs_fp32 is None or not all(e < LOGITS_CEILING for e in errs):
+        return False
+    k, r = list(kernel_vs_fp32), list(ref_vs_fp32)
+    return sum(k) <= ROUNDING_MARGIN * sum(r)
+
+
 def poison_activations(bound) -> None:
     """0xFF over every region the step writes (activations, scratch): NaN / -1 until written."""
     for r in bound.plan.regions.values():
