@@ -9,7 +9,8 @@ For each case (model:config) and batch:
   - `steps` consecutive decode steps of the kernel, fed fresh random tokens (teacher forcing);
     per step, against (a) a reference started from the kernel's own state each step that follows
     the kernel's expert choice at router near-ties (bisect.RouteAlign; any other difference is a
-    violation): logits and every state tensor after the step -- the pass criterion; (b) a
+    violation): logits and every state tensor after the step -- the pass criterion, with (d) the
+    same step in fp32 from the same state on the kernel's experts (bisect.logits_run_ok); (b) a
     free-running reference (its own state since step 0), beside (c) the same bf16 reference run on
     the CPU against the GPU one: the free-running drift that another fp32 summation order alone
     causes in this random model (its noise floor);
