@@ -4,7 +4,7 @@
 # scratch folder (the checkout's tests/ and benchmarks/ copied there, so its folders do not
 # shadow the installed package). Logs go to $OUT (the device tool brings them back).
 #
-#   bash benchmarks/h200_session.sh speed model-k3 model-small tests
+#   bash benchmarks/h200_session.sh speed model-k3 model-small tests compile
 set -u
 [ -f .gpu-bundle/part2/install.sh ] && { bash .gpu-bundle/part2/install.sh || exit 3; }
 export PYTHONPATH=/tmp/fusec-pkg:/tmp/fusec-site:/tmp/fusec-site/nvidia_cutlass_dsl/dsl_packages
@@ -24,6 +24,8 @@ for stage in "$@"; do
                  tail -16 "$OUT/model_small.log" ;;
     tests) timeout 540 python3 -m pytest -q -rP -m gpu tests/gpu -p no:warnings > "$OUT/pytest_gpu.log" 2>&1
            grep -E "^step|passed|failed|error" "$OUT/pytest_gpu.log" | tail -60 ;;
-    *) echo "unknown stage $stage (speed, model-k3, model-small, tests)"; exit 2 ;;
+    compile) for b in 4 16; do echo "B=$b"; timeout 300 python3 benchmarks/reference_compile.py --batch $b 2>&1 \
+               | grep -v -i warn; done | tee "$OUT/reference_compile.log" ;;
+    *) echo "unknown stage $stage (speed, model-k3, model-small, tests, compile)"; exit 2 ;;
   esac
 done
