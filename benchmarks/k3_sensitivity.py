@@ -24,6 +24,7 @@ import sys
 import torch
 
 from fusec.api import ReferenceRunner
+from fusec.backends.cute.bisect import RouteReplay
 from fusec.backends.cute.runner import lower_graph
 from fusec.backends.reference.ranks import materialize_weights
 from fusec.loader import load_graph
@@ -57,16 +58,8 @@ def main(argv=None) -> int:
         r.state = {n: t.clone() if precision == "bf16" else t.float() for n, t in warm.state.items()}
         return r.run(tok, pos, hook=hook)[0].float()
 
-    routes = {"bf16": {}, "fp32": {}}
-
-    def record(precision):
-        def hook(op, ins, outs):
-            if op.opname == "router":
-                routes[precision][op.outputs[0].name] = outs
-            return outs
-        return hook
-
-    base = {p: step(record(p), p) for p in ("bf16", "fp32")}
+    replays = {p: RouteReplay() for p in ("bf16", "fp32")}
+    base = {p: step(replays[p].record, p) for p in replays}
     print(f"K3 tiny, batch {args.batch}, step {args.warm + 1}: logits change for eps = {args.eps:g} "
           "relative noise on one op kind's outputs (bf16, free routing | bf16, routing held at the "
           "unperturbed step's | fp32, routing held)")
@@ -75,7 +68,7 @@ def main(argv=None) -> int:
         for precision, frozen in (("bf16", False), ("bf16", True), ("fp32", True)):
             def hook(op, ins, outs, kind=kind, frozen=frozen, precision=precision):
                 if frozen and op.opname == "router":
-                    return routes[precision][op.outputs[0].name]
+                    return replays[precision].follow(op, ins, outs)
                 if op.opname != kind:
                     return outs
                 noisy = torch.Generator().manual_seed(1)
@@ -102,22 +95,11 @@ def bf16_vs_fp32(pg, w, dims, batch: int, steps: int) -> list[float]:
     for s in range(steps):
         tok = torch.randint(0, vocab, (batch,), generator=gen, dtype=torch.int32)
         pos = torch.full((batch,), s, dtype=torch.int32)
-        routes = {}
-
-        def record(op, ins, outs):
-            if op.opname == "router":
-                routes[op.outputs[0].name] = outs
-            return outs
-
-        def follow(op, ins, outs):
-            if op.opname == "router":
-                wts, ids = routes[op.outputs[0].name]
-                return [wts.float(), ids]
-            return outs
+        replay = RouteReplay()
         for n in b16.state:
             f32.state[n] = b16.state[n].float()
-        lb = b16.run(tok, pos, hook=record)[0].float()
-        lf = f32.run(tok, pos, hook=follow)[0].float()
+        lb = b16.run(tok, pos, hook=replay.record)[0].float()
+        lf = f32.run(tok, pos, hook=replay.follow)[0].float()
         out.append(float((lb - lf).norm() / lf.norm()))
     return out
 

@@ -162,6 +162,7 @@ def _gate_run(pg, W, kernel_hook, steps=8, batch=1):
     'kernel' is the bf16 reference with `kernel_hook` applied to its op outputs, and the other
     two start each step from its state on its experts, as the GPU checks do."""
     from fusec.api import ReferenceRunner
+    from fusec.backends.cute.bisect import RouteReplay
 
     dims = {"B": batch, "L": L}
     K, R, X = (ReferenceRunner(pg, W, dims, "cpu", p) for p in ("bf16", "bf16", "fp32"))
@@ -174,22 +175,10 @@ def _gate_run(pg, W, kernel_hook, steps=8, batch=1):
         for n in K.state:
             R.state[n] = K.state[n].clone()
             X.state[n] = K.state[n].float()       # a copy: the bf16 state converts
-        routes = {}
-
-        def kernel(op, ins, outs):
-            outs = kernel_hook(op, ins, outs)
-            if op.opname == "router":
-                routes[op.outputs[0].name] = outs
-            return outs
-
-        def follow(op, ins, outs):
-            if op.opname == "router":
-                w, ids = routes[op.outputs[0].name]
-                return [w.to(outs[0].dtype), ids]
-            return outs
-        lk = K.run(tok, pos, hook=kernel)[0]
-        lr = R.run(tok, pos, hook=follow)[0]
-        le = X.run(tok, pos, hook=follow)[0]
+        replay = RouteReplay(kernel_hook)
+        lk = K.run(tok, pos, hook=replay.record)[0]
+        lr = R.run(tok, pos, hook=replay.follow)[0]
+        le = X.run(tok, pos, hook=replay.follow)[0]
         out.append((rel(lk, lr), rel(lk, le), rel(lr, le)))
     return [list(c) for c in zip(*out)]
 

@@ -178,6 +178,28 @@ def format_report(rows: list[OpCheck], threshold: float = 1e-2, limit: int = 40)
     return "\n".join(lines)
 
 
+class RouteReplay:
+    """Reference hooks that record one run's router outputs (`record`, after an optional `inner`
+    hook) and replay them in another run of the same step (`follow`): e.g. an fp32 run forced
+    onto a bf16 run's experts, so the two differ by rounding only, never by a routing flip."""
+
+    def __init__(self, inner=None):
+        self.inner, self.routes = inner, {}
+
+    def record(self, op, ins, outs):
+        if self.inner is not None:
+            outs = self.inner(op, ins, outs)
+        if op.opname == "router":
+            self.routes[op.outputs[0].name] = outs
+        return outs
+
+    def follow(self, op, ins, outs):
+        if op.opname != "router":
+            return outs
+        w, ids = self.routes[op.outputs[0].name]
+        return [w.to(outs[0].dtype), ids]
+
+
 class RouteAlign:
     """Reference hook (executor.execute(hook=...)) for kernel-vs-reference runs of MoE models.
 
