@@ -106,7 +106,7 @@ def logits_run_ok(errs, kernel_vs_fp32=None, ref_vs_fp32=None) -> bool:
     that amplifies one rounding flip, as K3 tiny does: its bf16 reference is itself 1e-2 .. 4e-2
     from the fp32 step), every step under LOGITS_CEILING and the kernel on average no farther
     from the fp32 step than the bf16 reference, up to ROUNDING_MARGIN. Averaged over the run
-    because one step's distance is noisy: a rounding-only difference lands 2x farther than the
+    because one step's distance is noisy: a rounding-only difference can land 2x farther than the
     reference at single steps, while a real error keeps the kernel farther at most of them
     (tests/test_cute_bisect.py::test_logits_gate_tells_rounding_from_a_bug)."""
     errs = list(errs)

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 from _needs_cute import torch  # noqa: E402  (skips this module without CUDA or the CuTe DSL)
 
 import fusec  # noqa: E402
-from fusec.backends.cute.bisect import RouteAlign, arena_reference, logits_run_ok, sync_state  # noqa: E402
+from fusec.backends.cute.bisect import RouteAlign, logits_run_ok, sync_state  # noqa: E402
 from fusec.backends.cute.plan import NO_EVENT  # noqa: E402
 from fusec.backends.cute.runtime import Megakernel, MegakernelTimeout  # noqa: E402
 from fusec.models import kimi_k3, llama  # noqa: E402
@@ -67,7 +67,7 @@ def test_tiny_steps_match_reference(model, batch):
     op-by-op check below is the sharp one."""
     run = fusec.compile(model.__file__, "tiny", backend="cute", batch=batch, max_len=16, device="cuda").runner
     ref = run.lowered_reference()
-    exact = arena_reference(run.program.graph, run.mem, run.dims, "cuda", "fp32")
+    exact = run.lowered_reference(precision="fp32")
     align = RouteAlign(run.mem) if model is kimi_k3 else None
     rows = list(_steps(run.run, run, ref, batch, 8, batch, align, exact))
     table = "\n".join(f"step {s}: vs bf16 reference {e:.2e}, state {st:.2e}, vs the fp32 step: kernel {k:.2e}, "
