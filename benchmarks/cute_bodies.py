@@ -84,8 +84,8 @@ def bodies(batch: int, gen: torch.Generator, quick: bool, reps: int) -> None:
         h = torch.empty(batch, topk, inter, device=dev, dtype=BF)
         y = torch.empty(batch, topk, hid, device=dev)
         outs[fmt] = (h, y)
-        tasks[f"EXPERT_{fmt} glu"] = wl.expert_glu_tasks(x, ids, a1, a3, h, max(1, 132 // topk), 100)
-        tasks[f"EXPERT_{fmt} down"] = wl.expert_down_tasks(hin, ids, a2, y, max(1, 132 // topk), 200)
+        tasks[f"EXPERT_{fmt} glu"] = wl.expert_glu_tasks(x, ids, a1, a3, h, 132, 100)
+        tasks[f"EXPERT_{fmt} down"] = wl.expert_down_tasks(hin, ids, a2, y, 132, 200)
         checks.append((f"EXPERT_{fmt} glu", h, lambda a1=a1, a3=a3: ref("moe_gate_up", (x, ids, a1, a3), ep_ranks=1)[0]))
         checks.append((f"EXPERT_{fmt} down", y, lambda a2=a2: ref("moe_down", (hin, ids, a2), ep_ranks=1)[0]))
     # -- EW sub-opcodes, K3 widths

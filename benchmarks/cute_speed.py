@@ -32,6 +32,7 @@ from _timing import median_us  # benchmarks/_timing.py (this script's folder)
 HBM_TBPS = 4.16
 SAVE_DIR = os.environ.get("FUSEC_PROFILE_DIR")   # set: also save each profile (torch.save)
 PREFETCH_KB = [0, 16, 64]   # --prefetch-kb
+GEMV_VARIANTS: list[str] = []   # --gemv-variants: other GEMV_BF16 bodies timed on the same table
 
 
 def model_path() -> str:
@@ -152,6 +153,9 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
                 for t in run.plan.tasks]
         mk = run.kernel.sibling(run.plan.with_tasks(rows))
         pf[cap] = (mk, mk.capture_graph(), [])
+    for gv in GEMV_VARIANTS:
+        mk = Megakernel(dataclasses.replace(run.plan, gemv=gv))   # a new body: a new compile
+        pf[f"gemv={gv}"] = (mk, mk.capture_graph(), [])
     for _ in range(3):
         for cap, (mk, g, ts) in pf.items():
             ts.append(median_us(g.replay, reps))
@@ -191,10 +195,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--prefetch-kb", default="0,16,64", help="prefetch caps to time (KiB per row, 0 = none)")
+    ap.add_argument("--gemv-variants", default="", help="other GEMV_BF16 bodies to time (simt, mma)")
     args = ap.parse_args(argv)
-    PREFETCH_KB[:] = [int(x) for x in args.prefetch_kb.split(",")]
+    PREFETCH_KB[:] = [int(x) for x in args.prefetch_kb.split(",") if x]
+    GEMV_VARIANTS[:] = [x for x in args.gemv_variants.split(",") if x]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, config {args.config}, "
-          f"position {args.max_len - 1}", flush=True)
+          f"position {args.max_len - 1}, GEMV_BF16 body {GEMV_VARIANTS and 'default (' + ','.join(GEMV_VARIANTS) + ' timed too)' or 'default'}", flush=True)
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         try:

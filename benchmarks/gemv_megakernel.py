@@ -38,7 +38,7 @@ def record(what: str, value: str, ok: bool | None = None) -> None:
     print(f"{what:48s} {value:28s} {status}", flush=True)
 
 
-def correctness(batch: int, gen: torch.Generator, steps: int = 3) -> Megakernel:
+def correctness(batch: int, gen: torch.Generator, steps: int = 3, gemv: str = "auto") -> Megakernel:
     dev = "cuda"
     bf = torch.bfloat16
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
@@ -63,8 +63,8 @@ def correctness(batch: int, gen: torch.Generator, steps: int = 3) -> Megakernel:
     tasks += wl.gemv_tasks(wc, hn, yc, 132, 4000, wait=(1, 1, 0))
     # Tasks are listed in a topological order, so round robin keeps every queue consistent.
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks)), num_events=4,
-                      batch=batch, spin_timeout_ns=100_000_000, name=f"check_b{batch}",
-                      rows_per_warp=2 if batch <= 4 else 1)
+                      batch=batch, spin_timeout_ns=100_000_000, name=f"check_b{batch}_{gemv}",
+                      rows_per_warp=2 if batch <= 4 else 1, gemv=gemv)
     rt = Megakernel(plan)
     ok_all = True
     for step in range(1, steps + 1):
@@ -87,11 +87,11 @@ def correctness(batch: int, gen: torch.Generator, steps: int = 3) -> Megakernel:
         ok = max(e1, e2, ea, en, ec) < TOL and ev_ok
         ok_all &= ok
         if step in (1, steps):
-            record(f"B={batch} step {step} gemv_bf16 rel err", f"{e1:.2e}", e1 < TOL)
-            record(f"B={batch} step {step} gemv_mxfp4 rel err", f"{e2:.2e}", e2 < TOL)
-            record(f"B={batch} step {step} chain gemv/rmsnorm/gemv", f"{ea:.1e}/{en:.1e}/{ec:.1e}",
+            record(f"B={batch} {gemv} step {step} gemv_bf16 rel err", f"{e1:.2e}", e1 < TOL)
+            record(f"B={batch} {gemv} step {step} gemv_mxfp4 rel err", f"{e2:.2e}", e2 < TOL)
+            record(f"B={batch} {gemv} step {step} chain gemv/rmsnorm/gemv", f"{ea:.1e}/{en:.1e}/{ec:.1e}",
                    max(ea, en, ec) < TOL)
-            record(f"B={batch} step {step} event counters", str(ev), ev_ok)
+            record(f"B={batch} {gemv} step {step} event counters", str(ev), ev_ok)
     if not ok_all:
         record(f"B={batch} some step failed", "see log", False)
     return rt
@@ -118,14 +118,15 @@ def bounded_wait(rt: Megakernel) -> None:
         print("   ", exc)
 
 
-def timing(threads: int, unroll: int, tiles: int, rows_per_warp: int, reps: int) -> None:
-    n, k, dev, bf = 49280, 7168, "cuda", torch.bfloat16
-    ws = [torch.randn(n, k, device=dev).to(bf) for _ in range(2)]
-    x = torch.randn(1, k, device=dev).to(bf)
-    y = torch.empty(1, n, device=dev, dtype=bf)
+def timing(threads: int, unroll: int, tiles: int, rows_per_warp: int, reps: int, gemv: str = "auto",
+           batch: int = 1, n: int = 49280, k: int = 7168) -> None:
+    dev, bf = "cuda", torch.bfloat16
+    ws = [torch.randn(n, k, device=dev).to(bf) for _ in range(max(2, 2_000_000_000 // (n * k * 2)))]
+    x = torch.randn(batch, k, device=dev).to(bf)
+    y = torch.empty(batch, n, device=dev, dtype=bf)
     plans = [KernelPlan(tasks=tuple(wl.gemv_tasks(w, x, y, tiles)), queues=round_robin_queues(tiles),
-                        num_events=1, threads=threads, unroll=unroll,
-                        rows_per_warp=rows_per_warp, name="gemv_time")
+                        num_events=1, threads=threads, unroll=unroll, batch=batch, gemv=gemv,
+                        rows_per_warp=rows_per_warp, name=f"gemv_time_b{batch}")
              for w in ws]
     rt = Megakernel(plans[0])
     tables = []
@@ -141,7 +142,7 @@ def timing(threads: int, unroll: int, tiles: int, rows_per_warp: int, reps: int)
     err = wl.rel_err(y, x.float() @ ws[0].float().T)
     times = []
     for i in range(reps + 5):
-        rt.table.copy_(tables[i % 2])
+        rt.table.copy_(tables[i % len(tables)])
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
@@ -151,34 +152,36 @@ def timing(threads: int, unroll: int, tiles: int, rows_per_warp: int, reps: int)
             times.append(a.elapsed_time(b) * 1e-3)
     rt.check()
     t = statistics.median(times)
-    tbps = (n * k * 2 + k * 2 + n * 2) / t / 1e12
-    record(f"gemv 7168->49280 B=1 thr={threads} u={unroll} rows/warp={rows_per_warp} tiles={tiles}",
+    tbps = (n * k * 2 + batch * (k * 2 + n * 2)) / t / 1e12
+    record(f"gemv {k}->{n} B={batch} {gemv} thr={threads} u={unroll} rows/warp={rows_per_warp} tiles={tiles}",
            f"{t * 1e6:.1f} us {tbps:.2f} TB/s {100 * tbps / CEILING_TBPS:.0f}%", err < TOL)
 
 
-def cublas_reference(reps: int) -> None:
-    n, k, bf = 49280, 7168, torch.bfloat16
-    ws = [torch.randn(n, k, device="cuda").to(bf) for _ in range(2)]
-    x = torch.randn(1, k, device="cuda").to(bf)
+def cublas_reference(reps: int, batch: int = 1, n: int = 49280, k: int = 7168) -> None:
+    bf = torch.bfloat16
+    ws = [torch.randn(n, k, device="cuda").to(bf) for _ in range(max(2, 2_000_000_000 // (n * k * 2)))]
+    x = torch.randn(batch, k, device="cuda").to(bf)
     times = []
     for i in range(reps + 5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        torch.nn.functional.linear(x, ws[i % 2])
+        torch.nn.functional.linear(x, ws[i % len(ws)])
         b.record()
         b.synchronize()
         if i >= 5:
             times.append(a.elapsed_time(b) * 1e-3)
     t = statistics.median(times)
-    record("cuBLAS (torch linear) 7168->49280 B=1", f"{t * 1e6:.1f} us {n * k * 2 / t / 1e12:.2f} TB/s")
+    record(f"cuBLAS (torch linear) {k}->{n} B={batch}", f"{t * 1e6:.1f} us {n * k * 2 / t / 1e12:.2f} TB/s")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="batch 1 only, one timing variant")
     ap.add_argument("--json", default=os.environ.get("OUT", ".") + "/gemv_megakernel.json")
-    ap.add_argument("--variants", help="threads:unroll:tiles:rows_per_warp,...",
-                    default="1024:4:132:1,1024:2:132:2,512:2:132:4,512:4:132:2,512:4:132:1,512:4:264:2")
+    ap.add_argument("--variants", help="threads:unroll:tiles:rows_per_warp:gemv:batch[:n:k],...",
+                    default="512:4:132:1:simt:1,512:4:132:1:mma:1,512:8:132:1:mma:1,512:4:132:1:simt:16,"
+                            "512:4:132:1:mma:16,512:4:132:1:mma:4,512:4:132:1:mma:16:2112:7168")
+    ap.add_argument("--gemv", default="simt,mma", help="GEMV_BF16 bodies to check for correctness")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -187,14 +190,17 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
     rt1 = None
     for batch in ([1] if args.quick else [1, 4, 16]):
-        rt = correctness(batch, gen)
-        rt1 = rt1 or rt
+        for gemv in args.gemv.split(","):
+            rt = correctness(batch, gen, gemv=gemv)
+            rt1 = rt1 or rt
     bounded_wait(rt1)
     reps = 100
-    cublas_reference(reps)
+    for b in (1, 16):
+        cublas_reference(reps, b)
     for v in args.variants.split(",")[: 1 if args.quick else None]:
-        thr, unroll, tiles, rpw = (int(s) for s in v.split(":"))
-        timing(thr, unroll, tiles, rpw, reps)
+        f = v.split(":")
+        shape = dict(n=int(f[6]), k=int(f[7])) if len(f) > 6 else {}
+        timing(int(f[0]), int(f[1]), int(f[2]), int(f[3]), reps, f[4], int(f[5]), **shape)
     print("\n| what | result | check |\n|---|---|---|")
     for what, value, status in rows:
         print(f"| {what} | {value} | {status} |")

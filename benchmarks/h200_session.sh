@@ -15,8 +15,9 @@ mkdir -p "$OUT"
 rm -rf /tmp/w && mkdir -p /tmp/w && cp -r tests benchmarks /tmp/w/ && cd /tmp/w
 for stage in "$@"; do
   case $stage in
-    speed) FUSEC_PROFILE_DIR=$OUT timeout 420 python3 benchmarks/cute_speed.py --config slice4 --batches 1,4,16 \
-             --reps 20 --prefetch-kb 0,64 2>&1 | grep -v Warn | tee "$OUT/speed.log" | tail -30 ;;
+    speed) FUSEC_PROFILE_DIR=$OUT timeout 420 python3 benchmarks/cute_speed.py --config ${SPEED_CONFIG:-slice4} \
+             --batches ${SPEED_BATCHES:-1,4,16} --reps 20 --prefetch-kb ${SPEED_PF:-0,64} \
+             --gemv-variants=${SPEED_GEMV:-} 2>&1 | grep -v Warn | tee "$OUT/speed.log" | tail -30 ;;
     model-k3) timeout 540 python3 benchmarks/cute_model.py --cases kimi_k3:slice4,kimi_k3:slice4-e128 \
                 --batches 1,4,16 --delay-cases none 2>&1 | grep -v Warning > "$OUT/model_k3.log"; tail -14 "$OUT/model_k3.log" ;;
     model-small) timeout 400 python3 benchmarks/cute_model.py --cases kimi_k3:tiny,llama:tiny,llama:llama-3.2-1b \
@@ -24,8 +25,9 @@ for stage in "$@"; do
                  tail -16 "$OUT/model_small.log" ;;
     tests) timeout 540 python3 -m pytest -q -rP -m gpu tests/gpu -p no:warnings > "$OUT/pytest_gpu.log" 2>&1
            grep -E "^step|passed|failed|error" "$OUT/pytest_gpu.log" | tail -60 ;;
+    gemv) timeout 400 python3 benchmarks/gemv_megakernel.py 2>&1 | grep -v Warn > "$OUT/gemv.log"; tail -40 "$OUT/gemv.log" ;;
     compile) for b in 4 16; do echo "B=$b"; timeout 300 python3 benchmarks/reference_compile.py --batch $b 2>&1 \
                | grep -v -i warn; done | tee "$OUT/reference_compile.log" ;;
-    *) echo "unknown stage $stage (speed, model-k3, model-small, tests, compile)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, speed, model-k3, model-small, tests, compile)"; exit 2 ;;
   esac
 done

@@ -201,13 +201,13 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
         return [fb[:-1] + (r,) for r in splits(s[-1], n, 1)], body
     w = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs if ctx.kind[v.name] is Kind.weight)
     if anchor.opname in EXPERT_OPS:
+        # Every task takes all (token, slot) pairs for a slice of the output rows: the experts
+        # are only known after routing, so a slice of every routed expert's rows on every SM is
+        # what keeps all SMs streaming (and lets a task read each distinct expert's rows once).
         b, k = s[0], s[1]
-        slots = b * k
-        frac = min(1.0, slots / ctx.shape[anchor.inputs[2].name][0])
-        per_slot = w * frac / slots
-        n = max(1, min(max(1, ctx.sms // slots), math.ceil(per_slot / MIN_TASK_BYTES)))
-        rows = splits(s[2], n, ALIGN)
-        return [((i, i + 1), (j, j + 1), r) for i in range(b) for j in range(k) for r in rows], anchor.opname
+        frac = min(1.0, b * k / ctx.shape[anchor.inputs[2].name][0])
+        n = max(1, min(ctx.sms, math.ceil(w * frac / MIN_TASK_BYTES)))
+        return [((0, b), (0, k), r) for r in splits(s[2], n, ALIGN)], anchor.opname
     if anchor.opname == "mla_attention_partial":     # one task per cache chunk
         return [((c, c + 1),) + fb[1:] for c in range(s[0])], anchor.opname
     if anchor.opname in ("mla_q_absorb", "mla_attention", "attention_combine"):

@@ -18,7 +18,8 @@ How a group becomes tasks (tile sizes and families in `passes/_lowering.py`, the
 - ops after the anchor that map the tile elementwise (activation, gate, residual, per-head norms
   when tiles align to heads) are epilogues; the first that cannot (a reduction over the tile axis,
   a reshape) starts a new unit with the rest of the group (logged on FUSEC_LOG=tile);
-- expert GEMVs split per selected (token, slot) and along rows; their weight loads cover every
+- expert GEMVs split along output rows only (each task takes every (token, slot) pair, so the
+  experts chosen at run time spread over all SMs); their weight loads cover every
   expert and carry `addressed_by` = the router ids (V3);
 - absorbed MLA attention over a cache larger than MIN_TASK_BYTES is rewritten in the graph to
   `mla_attention_partial` (one task per chunk of cache rows [c L / S, (c + 1) L / S)) and

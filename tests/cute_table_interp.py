@@ -11,6 +11,8 @@ events) against the registry reference; the CuTe bodies themselves are checked o
 """
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import torch
@@ -161,7 +163,15 @@ class Interp:
         return MXFP4Tensor(packed, scale).dequant()
 
     def expert(self, r, B, mx):
-        """Slot P0 of batch rows P2 >> 16 .. P2 & 0xFFFF: GLU -> bf16 h, DOWN -> fp32 y (plain dot)."""
+        """Slots P0 >> 16 .. P0 & 0xFFFF of batch rows P2 >> 16 .. P2 & 0xFFFF: GLU -> bf16 h,
+        DOWN -> fp32 y (plain dot); slot s of the output at column s * AUX (of DOWN's input: s * K)."""
+        for s in range(r.p0 >> 16, r.p0 & 0xFFFF):
+            one = dataclasses.replace(r, p0=s, a1=r.a1 + (0 if r.sub == ExpertMode.GLU else 2 * s * r.k),
+                                      a2=r.a2 + (2 if r.sub == ExpertMode.GLU else 4) * s * r.aux)
+            self.expert_slot(one, B, mx)
+
+    def expert_slot(self, r, B, mx):
+        """One slot P0 of batch rows P2 >> 16 .. P2 & 0xFFFF (A1, A2 point at the slot)."""
         topk = r.p1
         ids = self.t(r.a4, torch.int32, (B, topk), (topk, 1))
         glu = r.sub == ExpertMode.GLU

@@ -208,8 +208,8 @@ class K3Lowering:
         return rows
 
     def _expert(self, t, op, redirect):
-        """moe_gate_up (GLU) / moe_down (DOWN): one EXPERT row per slot of the task's
-        (batch rows, slots, output rows) tile; each writes its slot's rows of the result."""
+        """moe_gate_up (GLU) / moe_down (DOWN): one EXPERT row for the task's (batch rows, slots,
+        output rows) tile; the body groups the tile's pairs by expert after routing."""
         glu = op.opname == "moe_gate_up"
         x, ids, w = (v.name for v in op.inputs[:3])
         out = op.outputs[0].name
@@ -221,20 +221,15 @@ class K3Lowering:
         k = xv.shape[-1]
         if ov.strides[1:] != (rows_e, 1) or xv.strides[-1] != 1 or (not glu and xv.strides[1] != k):
             raise self.error(f"{op.opname} %{out}: needs contiguous slot rows")
-        osz, xsz = (2 if glu else 4), 2
         fields = ["a0", "a1", "a2", "a4"] + (["a3"] if mx else []) + (["a5"] + (["a6"] if mx else []) if glu else [])
-        rows = []
-        for j in range(j0, j1):
-            w3 = op.inputs[3].name if glu else None
-            rows.append((TaskRow(Opcode.EXPERT_MXFP4 if mx else Opcode.EXPERT_BF16, t.id, a0=off(w),
-                                 a1=off(x) + (0 if glu else xsz * j * k), a2=off(out) + osz * j * rows_e,
-                                 a3=self.mem.byte_offset(w + ".scale") if mx else 0, a4=off(ids),
-                                 a5=off(w3) if glu else 0,
-                                 a6=self.mem.byte_offset(w3 + ".scale") if glu and mx else 0,
-                                 n0=c0, n1=c1, k=k, ldx=xv.strides[0], ldy=ov.strides[0], aux=rows_e,
-                                 sub=ExpertMode.GLU if glu else ExpertMode.DOWN, p0=j, p1=topk,
-                                 p2=(b0 << 16) | b1), tuple(fields)))
-        return rows
+        w3 = op.inputs[3].name if glu else None
+        return [(TaskRow(Opcode.EXPERT_MXFP4 if mx else Opcode.EXPERT_BF16, t.id, a0=off(w), a1=off(x),
+                         a2=off(out), a3=self.mem.byte_offset(w + ".scale") if mx else 0, a4=off(ids),
+                         a5=off(w3) if glu else 0,
+                         a6=self.mem.byte_offset(w3 + ".scale") if glu and mx else 0,
+                         n0=c0, n1=c1, k=k, ldx=xv.strides[0], ldy=ov.strides[0], aux=rows_e,
+                         sub=ExpertMode.GLU if glu else ExpertMode.DOWN, p0=(j0 << 16) | j1, p1=topk,
+                         p2=(b0 << 16) | b1), tuple(fields))]
 
     def _mla(self, t, op, redirect, chunks=None):
         """MLA PARTIAL rows (+ COMBINE for an unsplit mla_attention). `chunks` = (c0, c1, S) for

@@ -35,7 +35,7 @@ queue[c, 0] .. queue[c, 1] - 1 (queue is int32 [num_ctas, 2]). Word layout of on
   18    A6             EXPERT_MXFP4: scales of the second weight; MLA PARTIAL: q_pe head stride
   19    A7             ATTN_RES: rms_norm output; MLA PARTIAL: q_pe batch stride (plain integers)
   20    SUB            sub-opcode (`ExpertMode` for EXPERT_*, `EwOp` for EW)
-  21    P0             EXPERT_*: slot j; EW: row stride of operand A1; ROUTER: top-k
+  21    P0             EXPERT_*: slots s0 << 16 | s1; EW: row stride of operand A1; ROUTER: top-k
   22    P1             EXPERT_*: top-k (row stride of ids/weights); EW: `F32Flag` bits
   23    P2             EW: head_dim (L2_NORM, GATED_RMS, KDA_GATE per head), conv width (CONV), slots (WSUM);
                        EXPERT_*: batch rows b0 << 16 | b1
@@ -125,13 +125,17 @@ class Opcode(enum.IntEnum):
     RMSNORM    out[b, :] = x[b, :] * rsqrt(mean(x[b, :]^2) + eps) * gamma for b in [N0, N1);
                A0 = x bf16 [.., LDX], A1 = gamma bf16 [K], A2 = out bf16 [.., LDY], AUX = eps.
 
-    EXPERT_BF16  routed expert GEMV of slot P0 for batch rows P2 >> 16 .. P2 & 0xFFFF, expert id
-               e = ids[b, P0] read from A4 (int32 [B, P1]) at run time after the wait (V3).
-               Weight rows of expert e start at A0 + e * AUX rows (AUX = rows per expert).
-               GLU mode: h[b, n] = situ_glu(x[b].Wg[e, n], x[b].Wu[e, n]), Wg = A0, Wu = A5,
-               x = A1 [B, LDX], h = A2 [B, LDY] bf16 (A2 points at slot P0).
-               DOWN mode: y[b, n] = h[b].W[e, n] in fp32 (moe_down), h = A1 [B, LDX] bf16 and
-               y = A2 [B, LDY] fp32 (both pointing at slot P0). Ids < 0 (other EP rank) store 0.
+    EXPERT_BF16  routed expert GEMVs of every (batch row, slot) pair with batch rows in
+               P2 >> 16 .. P2 & 0xFFFF and slots in P0 >> 16 .. P0 & 0xFFFF, output rows N0..N1:
+               the pair's expert e = ids[b, s] is read from A4 (int32 [B, P1]) at run time after
+               the wait (V3). Weight rows of expert e start at A0 + e * AUX rows (AUX = rows per
+               expert, also the slot stride of the output).
+               GLU mode: h[b, s, n] = situ_glu(x[b].Wg[e, n], x[b].Wu[e, n]), Wg = A0, Wu = A5,
+               x = A1 [B, LDX], h = A2 [B, LDY] bf16 (slot s at column s * AUX).
+               DOWN mode: y[b, s, n] = h[b, s].W[e, n] in fp32 (moe_down), h = A1 [B, LDX] bf16
+               (slot s at column s * K), y = A2 [B, LDY] fp32 (slot s at column s * AUX).
+               Ids < 0 (other EP rank) store 0. The bf16 body reads each distinct expert's rows
+               once for all the pairs that chose it (grouped after routing, on tensor cores).
     EXPERT_MXFP4 same with MXFP4 weights; A3 / A6 = e8m0 scales of A0 / A5.
     EW         elementwise / per-head epilogues, sub-opcode `EwOp` in SUB, columns N0..N1 of every
                batch row: A0 = a [B, LDX], A1 = b [B, P0] (P0 = 0 broadcasts a vector),
@@ -189,8 +193,8 @@ class Opcode(enum.IntEnum):
 class ExpertMode(enum.IntEnum):
     """SUB word of EXPERT_* rows."""
 
-    GLU = 0    # fused gate/up + SiTU-GLU for slot P0
-    DOWN = 1   # down projection of slot P0, fp32 (moe_combine is an EW WSUM row)
+    GLU = 0    # fused gate/up + SiTU-GLU of the row's (batch, slot) pairs
+    DOWN = 1   # down projection of the row's pairs, fp32 (moe_combine is an EW WSUM row)
 
 
 class EwOp(enum.IntEnum):
@@ -330,7 +334,12 @@ class KernelPlan:
     batch: int = 1
     threads: int = 512
     unroll: int = 4
-    rows_per_warp: int = 1  # GEMV_BF16: rows a warp streams together (share x loads)
+    rows_per_warp: int = 1  # GEMV_BF16 on CUDA cores: rows a warp streams together (share x loads)
+    # GEMV_BF16 body: "mma" (tensor cores, weights on M, batch on N; needs K % 32 == 0 in every
+    # GEMV_BF16 row), "simt" (CUDA-core dot products, one warp per row), "auto": mma at batch > 1
+    # when it can, simt at batch 1 (slice4-e128 on the H200: 3535 us simt vs 3675 us mma at B=1;
+    # 6679 vs 7965 us at B=4, 18500 vs 29216 us at B=16; benchmarks/cute_speed.py --gemv-variants).
+    gemv: str = "auto"
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -344,6 +353,10 @@ class KernelPlan:
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= 16:
             raise ValueError(f"batch {self.batch} not in 1..16")
+        if self.gemv not in ("auto", "mma", "simt"):
+            raise ValueError(f"gemv {self.gemv!r} must be 'auto', 'mma' or 'simt'")
+        if self.gemv == "mma" and not self._mma_fits():
+            raise ValueError("gemv='mma' needs K % 32 == 0 in every GEMV_BF16 row")
         if self.mxfp4_decode not in ("f16", "lut"):
             raise ValueError(f"mxfp4_decode {self.mxfp4_decode!r} must be 'f16' or 'lut'")
         if self.threads % 32 or not 32 <= self.threads <= 1024:
@@ -361,6 +374,11 @@ class KernelPlan:
             if t.opcode == Opcode.ROUTER and (t.k > 32 * ROUTER_PER_LANE or not 0 < t.p0 <= ROUTER_MAX_TOPK):
                 raise ValueError(f"task {t.task_id}: router needs experts <= "
                                  f"{32 * ROUTER_PER_LANE} and 0 < topk <= {ROUTER_MAX_TOPK}")
+            if t.opcode == Opcode.EXPERT_BF16 and (
+                    t.k % 32 or ((t.p0 & 0xFFFF) - (t.p0 >> 16)) * ((t.p2 & 0xFFFF) - (t.p2 >> 16))
+                    > self.batch * ROUTER_MAX_TOPK):
+                raise ValueError(f"task {t.task_id}: EXPERT_BF16 needs K % 32 == 0 and at most "
+                                 f"batch x {ROUTER_MAX_TOPK} (batch row, slot) pairs")
             if t.opcode == Opcode.KDA and (t.k > KDA_MAX_HEAD_DIM or self.threads % max(1, t.k)
                                            or t.k * t.k % self.threads):
                 raise ValueError(f"task {t.task_id}: KDA head dim {t.k} must be <= {KDA_MAX_HEAD_DIM}, "
@@ -396,6 +414,14 @@ class KernelPlan:
             if t.opcode != Opcode.NOP and (t.k % vec or t.n1 < t.n0 or t.ldx % 8 or ldy_vec):
                 raise ValueError(f"task {t.task_id}: K={t.k} must be a multiple of {vec}, "
                                  f"LDX={t.ldx} and LDY={t.ldy} of 8 (16-byte rows), N0 <= N1")
+
+    def _mma_fits(self) -> bool:
+        return all(t.k % 32 == 0 for t in self.tasks if t.opcode == Opcode.GEMV_BF16)
+
+    @property
+    def gemv_mma(self) -> bool:
+        """GEMV_BF16 rows run on tensor cores (the template's switch)."""
+        return self.gemv == "mma" or (self.gemv == "auto" and self.batch > 1 and self._mma_fits())
 
     @property
     def num_ctas(self) -> int:

@@ -49,50 +49,46 @@ def _mx(w):
     return (w.packed, w.scale) if hasattr(w, "packed") else (w, None)
 
 
-def expert_glu_tasks(x, ids, w1, w3, h, tiles_per_slot: int, first_id: int = 0, *,
+def expert_glu_tasks(x, ids, w1, w3, h, tiles: int, first_id: int = 0, *,
                      wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
     """moe_gate_up: h[b, j, :] = situ_glu(x[b] W1[ids[b, j]]^T, x[b] W3[ids[b, j]]^T).
 
-    x bf16 [B, D]; ids int32 [B, k]; w1, w3 bf16 [E, I, D] or MXFP4Tensor; h bf16 [B, k, I].
-    One task per (slot j, row tile); the rows stream the expert chosen at run time.
+    x bf16 [B, D]; ids int32 [B, k]; w1, w3 bf16 [E, I, D] or MXFP4Tensor; h bf16 [B, k, I]
+    (slot rows contiguous). One task per row tile, each over every (batch row, slot) pair: the
+    rows stream the experts chosen at run time.
     """
     (d1, s1), (d3, s3) = _mx(w1), _mx(w3)
     op = Opcode.EXPERT_MXFP4 if s1 is not None else Opcode.EXPERT_BF16
     e, inter = d1.shape[0], d1.shape[1]
     topk = ids.shape[1]
-    rows, tid = [], first_id
-    for j in range(topk):
-        for n0, n1 in split_rows(inter, tiles_per_slot):
-            rows.append(TaskRow(op, tid, a0=d1.data_ptr(), a1=x.data_ptr(), a2=h[:, j].data_ptr(),
-                                a3=s1.data_ptr() if s1 is not None else 0, a4=ids.data_ptr(),
-                                a5=d3.data_ptr(), a6=s3.data_ptr() if s3 is not None else 0,
-                                n0=n0, n1=n1, k=x.shape[1], ldx=x.stride(0), ldy=h.stride(0),
-                                aux=inter, sub=ExpertMode.GLU, p0=j, p1=topk, p2=x.shape[0],
-                                **_wait_kw(wait, signal)))
-            tid += 1
+    assert h.stride(2) == 1 and h.stride(1) == inter, "slot rows must be contiguous"
+    rows = [TaskRow(op, first_id + i, a0=d1.data_ptr(), a1=x.data_ptr(), a2=h.data_ptr(),
+                    a3=s1.data_ptr() if s1 is not None else 0, a4=ids.data_ptr(),
+                    a5=d3.data_ptr(), a6=s3.data_ptr() if s3 is not None else 0,
+                    n0=n0, n1=n1, k=x.shape[1], ldx=x.stride(0), ldy=h.stride(0),
+                    aux=inter, sub=ExpertMode.GLU, p0=topk, p1=topk, p2=x.shape[0],
+                    **_wait_kw(wait, signal))
+            for i, (n0, n1) in enumerate(split_rows(inter, tiles))]
     assert e == d3.shape[0]
     return rows
 
 
-def expert_down_tasks(h, ids, w2, y, tiles_per_slot: int, first_id: int = 0, *,
+def expert_down_tasks(h, ids, w2, y, tiles: int, first_id: int = 0, *,
                       wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
-    """moe_down: y[b, j] = h[b, j] W2[ids[b, j]]^T in fp32, one task per (slot j, row tile).
+    """moe_down: y[b, j] = h[b, j] W2[ids[b, j]]^T in fp32, one task per row tile over every
+    (batch row, slot) pair.
 
     h bf16 [B, k, I] and y fp32 [B, k, D], contiguous per slot; w2 bf16 [E, D, I] or MXFP4Tensor.
     """
     d2, s2 = _mx(w2)
     op = Opcode.EXPERT_MXFP4 if s2 is not None else Opcode.EXPERT_BF16
     assert h.stride(2) == 1 and h.stride(1) == h.shape[2] and y.stride(1) == y.shape[2], "slot rows must be contiguous"
-    rows, tid = [], first_id
-    for j in range(ids.shape[1]):
-        for n0, n1 in split_rows(d2.shape[1], tiles_per_slot):
-            rows.append(TaskRow(op, tid, a0=d2.data_ptr(), a1=h[:, j].data_ptr(), a2=y[:, j].data_ptr(),
-                                a3=s2.data_ptr() if s2 is not None else 0, a4=ids.data_ptr(),
-                                n0=n0, n1=n1, k=h.shape[2], ldx=h.stride(0), ldy=y.stride(0),
-                                aux=d2.shape[1], sub=ExpertMode.DOWN, p0=j, p1=ids.shape[1],
-                                p2=h.shape[0], **_wait_kw(wait, signal)))
-            tid += 1
-    return rows
+    return [TaskRow(op, first_id + i, a0=d2.data_ptr(), a1=h.data_ptr(), a2=y.data_ptr(),
+                    a3=s2.data_ptr() if s2 is not None else 0, a4=ids.data_ptr(),
+                    n0=n0, n1=n1, k=h.shape[2], ldx=h.stride(0), ldy=y.stride(0),
+                    aux=d2.shape[1], sub=ExpertMode.DOWN, p0=ids.shape[1], p1=ids.shape[1],
+                    p2=h.shape[0], **_wait_kw(wait, signal))
+            for i, (n0, n1) in enumerate(split_rows(d2.shape[1], tiles))]
 
 
 def wsum_task(y, weights, out, task_id: int, *, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> TaskRow:

@@ -22,7 +22,7 @@ def ref(name, args, **attrs):
     return get_op(name).ref(list(args), attrs)
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [1, 4, 16])
 def test_k3_bodies_match_registry(batch):
     gen = torch.Generator(device="cuda").manual_seed(batch)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
