@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from fusec.backends.reference.executor import init_state, prepare_weights, run_step
+from fusec.extras import require_cute
 from fusec.ir.graph import Graph
 from fusec.ir.verify import verify_graph
 from fusec.loader import load_graph
@@ -106,6 +107,8 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
         raise ValueError(f"unknown backend '{backend}' (have: {', '.join(BACKENDS)})")
     if precision not in ("bf16", "fp32"):
         raise ValueError("precision must be bf16 or fp32")
+    if backend == "cute":
+        require_cute()                   # say what to install before binding weights
     if weights is None:
         rules = getattr(module, "WEIGHT_INIT", ()) if module else ()
         weights = random_weights(graph, seed, rules, device=device)

@@ -1,4 +1,4 @@
-"""The `fusec` command line: compile, run, verify, simulate, ops.
+"""The `fusec` command line: compile, run, verify, simulate, configs, ops.
 
 Every expected failure (missing file, bad model, malformed .fir, bad checkpoint, a pass or
 verifier error) prints one line `fusec: error: ...` on stderr and exits 2; an unexpected one
@@ -14,13 +14,16 @@ import time
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model file (models/kimi_k3.py), .fir file, or model name")
-    p.add_argument("--config", help="named config of the model file (e.g. tiny, slice4)")
+    p.add_argument("--config", help="named config of the model file (e.g. tiny, slice4; `fusec configs MODEL` "
+                                    "lists them)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fusec", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--version", action="version", version=f"fusec {version()}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                            help="what to do (`fusec COMMAND -h` lists its flags)")
 
     c = sub.add_parser("compile", help="build, verify and lower a model; write .fir, schedule, report, trace")
     _add_model_args(c)
@@ -31,34 +34,50 @@ def build_parser() -> argparse.ArgumentParser:
                         "megakernel (.py, PTX, task table, audit) in <out>/cute")
     c.add_argument("--aot", action="store_true",
                    help="with --emit cute: also the sm_90a object and C header (export_to_c)")
-    c.add_argument("--ranks", type=int, default=1)
-    c.add_argument("--batch", type=int, default=1)
-    c.add_argument("--max-len", type=int, default=4096, help="cache capacity (binds L)")
-    c.add_argument("--passes", default="default", help="pipeline name or comma list of passes")
-    c.add_argument("--print-ir-after-all", action="store_true")
+    c.add_argument("--ranks", type=int, default=1, help="GPUs to shard over (tensor + expert parallel; default 1)")
+    c.add_argument("--batch", type=int, default=1,
+                   help="sequences per decode step (binds B) for the schedule and the summary (default 1)")
+    c.add_argument("--max-len", type=int, default=4096, help="cache capacity (binds L; default 4096)")
+    c.add_argument("--passes", default="default", help="pipeline (default: all passes; graph: up to shard; none) or a comma list of passes")
+    c.add_argument("--print-ir-after-all", action="store_true", help="print the program after every pass")
     c.add_argument("--dump-dir", help="write every stage as re-parsable text here")
 
     r = sub.add_parser("run", help="generate tokens greedily")
     _add_model_args(r)
-    r.add_argument("--steps", type=int, default=8)
-    r.add_argument("--batch", type=int, default=1)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--backend", default="reference", choices=["reference", "cute"])
-    r.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    r.add_argument("--device", default="cpu")
+    r.add_argument("--steps", type=int, default=8, help="decode steps to run (default 8)")
+    r.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt tokens (default 0)")
+    r.add_argument("--backend", default="reference", choices=["reference", "cute"],
+                   help="reference: torch executor; cute: the megakernel (needs the cute extra and an sm_90 GPU)")
+    r.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                   help="arithmetic of the step: bf16 as the kernel runs it, or fp32 (default bf16)")
+    r.add_argument("--device", default="cpu", help="torch device to run on (default cpu; cuda for --backend cute)")
     r.add_argument("--weights", help="checkpoint folder (default: random weights from --seed)")
 
     v = sub.add_parser("verify", help="re-check a written schedule; exit 1 on any violation")
-    v.add_argument("path")
+    v.add_argument("path", help="a schedule file (.fsched) or a `fusec compile` output folder")
 
     s = sub.add_parser("simulate", help="predict decode step time and tokens/s on many GPUs")
     _add_model_args(s)
     s.add_argument("--ranks", type=int, action="append", help="rank counts (repeatable; default 8,16,64,72)")
-    s.add_argument("--gpu", default="h200", choices=["h200", "gb300"])
+    s.add_argument("--gpu", default="h200", choices=["h200", "gb300"], help="GPU to model (default h200)")
     s.add_argument("--batch", type=int, action="append", help="batch sizes (repeatable; default 1, 8)")
+
+    k = sub.add_parser("configs", help="list the named configs of a model file")
+    k.add_argument("model", help="model file (models/kimi_k3.py) or model name")
 
     sub.add_parser("ops", help="list the op registry")
     return ap
+
+
+def version() -> str:
+    """The installed distribution's version; the package's own where fusec is not installed."""
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+    try:
+        return dist_version("fusec")
+    except PackageNotFoundError:
+        from fusec import __version__
+        return __version__
 
 
 def cmd_ops(args) -> int:
@@ -106,6 +125,25 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_configs(args) -> int:
+    from fusec.loader import list_configs
+    configs, default = list_configs(args.model)
+    base = configs[default] if default in configs else None
+    for name, cfg in configs.items():
+        diff = _fields_unlike(cfg, base) if base is not None and name != default else ""
+        print(f"{name}{' (default)' if name == default else ''}{': ' + diff if diff else ''}")
+    return 0
+
+
+def _fields_unlike(cfg, base) -> str:
+    """`field=value` for each dataclass field of `cfg` that differs from `base` (the name aside)."""
+    import dataclasses
+    if not (dataclasses.is_dataclass(cfg) and type(cfg) is type(base)):
+        return ""
+    return " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                    if f.name != "name" and getattr(cfg, f.name) != getattr(base, f.name))
+
+
 def cmd_verify(args) -> int:
     from fusec.compiler import verify_file
     ok, text = verify_file(args.path)
@@ -123,7 +161,8 @@ def cmd_simulate(args) -> int:
     return 0
 
 
-COMMANDS = {"compile": cmd_compile, "run": cmd_run, "verify": cmd_verify, "simulate": cmd_simulate, "ops": cmd_ops}
+COMMANDS = {"compile": cmd_compile, "run": cmd_run, "verify": cmd_verify, "simulate": cmd_simulate,
+            "configs": cmd_configs, "ops": cmd_ops}
 
 
 def main(argv=None) -> int:
@@ -150,7 +189,8 @@ def _expected_errors() -> tuple[type, ...]:
     from fusec.ir.parser import FirSyntaxError
     from fusec.ir.registry import OpError
     from fusec.loader import ModelError
-    errs = [OSError, FirSyntaxError, GraphError, OpError, ModelError, ValueError]
+    from fusec.extras import MissingExtraError
+    errs = [OSError, FirSyntaxError, GraphError, OpError, ModelError, ValueError, MissingExtraError]
     try:
         from fusec.passes.manager import PassError
         errs.append(PassError)

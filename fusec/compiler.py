@@ -1,8 +1,8 @@
 """`fusec compile`: model -> verified graph -> pipeline -> schedule, and the files it writes.
 
-Outputs (each written to a temporary name, then renamed):
+Outputs (staged in a folder next to <out>, moved there once the whole compile succeeded):
   <name>.fir            the canonical graph as declared
-  summary.txt           layers, ops, parameters, active parameters, bytes per step
+  summary.txt           layers, ops, parameters, active parameters, bytes per step (at --batch)
   lowered.fir           the graph after the graph passes (fused, sharded)   [--emit all]
   schedule.fsched       the static plan (tasks, events, queues)              [--emit all]
   verify.txt            the memory-order verifier report                     [--emit all]
@@ -21,7 +21,8 @@ from fusec.config import Options
 from fusec.ir.printer import print_graph
 from fusec.ir.verify import verify_graph
 from fusec.loader import load_graph
-from fusec.outputs import write_text
+from fusec.extras import require_cute
+from fusec.outputs import staged_dir, write_text
 from fusec.stats import format_summary, graph_stats
 
 
@@ -38,10 +39,29 @@ class CompileResult:
 def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", ranks=1, batch=1,
                    max_len=4096, passes="default", print_ir_after_all=False, dump_dir=None,
                    aot=False) -> CompileResult:
+    """Compile and write the outputs into `out` (default out/<graph name>).
+
+    Everything is written into a staging folder next to `out` and moved there only once the
+    whole compile succeeded: a failure leaves no empty or half-written folder, and an existing
+    `out` is left as it was.
+    """
+    if emit == "cute":
+        require_cute()                   # before minutes of lowering, not after
     graph, _ = load_graph(model, config, overrides)
     verify_graph(graph)
     out = Path(out) if out else Path("out") / graph.name
-    res = CompileResult(format_summary(graph, graph_stats(graph, {"B": 1, "L": max_len}), max_len))
+    with staged_dir(out) as stage:
+        res = _compile_into(graph, stage, emit=emit, ranks=ranks, batch=batch, max_len=max_len,
+                            passes=passes, print_ir_after_all=print_ir_after_all, dump_dir=dump_dir, aot=aot)
+    res.written = [out / p.relative_to(stage) for p in res.written]
+    return res
+
+
+def _compile_into(graph, out: Path, *, emit, ranks, batch, max_len, passes, print_ir_after_all, dump_dir,
+                  aot) -> CompileResult:
+    st = graph_stats(graph, {"B": 1, "L": max_len})
+    st_batch = st if batch == 1 else graph_stats(graph, {"B": batch, "L": max_len})
+    res = CompileResult(format_summary(graph, st, st_batch, batch, max_len))
     res.written.append(write_text(out / f"{graph.name}.fir", print_graph(graph)))
     res.written.append(write_text(out / "summary.txt", res.summary + "\n"))
     if emit == "fir":
@@ -117,11 +137,27 @@ def schedule_summary(prog) -> str:
     from fusec.cost import step_summary
     t = step_summary(s)["step_us"]
     return (f"schedule: {len(s.tasks)} tasks, {len(s.events)} events, {s.ranks} rank(s) x {s.sms} SMs; "
-            f"predicted step {t:.1f} us ({1e6 / t:.1f} tok/s per sequence)")
+            f"predicted step {t:.1f} us at batch {s.dims['B']} ({1e6 / t:.1f} tok/s per sequence)")
 
 
 def verify_file(path) -> tuple[bool, str]:
+    """Re-check a schedule file, or the schedule.fsched of a `fusec compile` output folder."""
     from fusec.ir.schedule_text import parse_schedule_file
     from fusec.passes.memory_order import check_schedule
-    rep = check_schedule(parse_schedule_file(path))
+    rep = check_schedule(parse_schedule_file(schedule_path(path)))
     return rep.ok, format_report(rep)
+
+
+def schedule_path(path) -> Path:
+    """`path` itself if it is a file; <path>/schedule.fsched if it is a folder (FileNotFoundError
+    with what was looked for otherwise)."""
+    p = Path(path)
+    if p.is_dir():
+        sched = p / "schedule.fsched"
+        if not sched.is_file():
+            raise FileNotFoundError(f"{p}: folder has no schedule.fsched (it is written by "
+                                    f"`fusec compile` with --emit all or cute)")
+        return sched
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such schedule file or output folder")
+    return p

@@ -84,3 +84,19 @@ def load_graph(spec, config: str | None = None, overrides: dict | None = None) -
     if not isinstance(g, Graph):
         raise ModelError(f"{spec}: build_graph returned {type(g).__name__}, not a Graph")
     return g, mod
+
+
+def list_configs(spec) -> tuple[dict, str | None]:
+    """(the model's named configs, name -> config object; its default config's name).
+
+    Named configs are the `CONFIGS` dict a model module declares next to `build_graph` (what
+    `--config NAME` picks from); `DEFAULT_CONFIG` is the one used when none is named.
+    """
+    spec = str(spec)
+    if spec.endswith(".fir"):
+        raise ModelError(f"{spec}: a .fir file is one graph and has no configs; configs belong to model files")
+    mod = load_module(spec)
+    configs = getattr(mod, "CONFIGS", None)
+    if not isinstance(configs, dict) or not configs:
+        raise ModelError(f"{spec}: declares no named configs (expected a dict CONFIGS of name -> config)")
+    return configs, getattr(mod, "DEFAULT_CONFIG", None)

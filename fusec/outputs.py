@@ -1,8 +1,11 @@
-"""Write output files atomically: a temporary name in the same folder, then rename."""
+"""Write output files atomically: a temporary name in the same folder, then rename; and whole
+output folders through a staging folder (`staged_dir`)."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -26,3 +29,60 @@ def write_text(path, text: str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+@contextmanager
+def staged_dir(target):
+    """Yield an empty folder next to `target` to write a whole output set into.
+
+    On success its contents move into `target`: a new target is the staging folder renamed (one
+    step, so a reader never sees half of it); an existing one keeps its other files and has those
+    of the same name replaced. On any failure the staging folder is removed, together with the
+    parent folders made for it, so a failed compile leaves neither an empty nor a half-written
+    folder behind, and a folder the user gave is never deleted.
+    """
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{target}: exists and is not a folder")
+    made = _missing_parents(target.parent)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for d in made:                    # deepest first; stop at anything not empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    try:
+        os.rename(stage, target)          # fails if target exists (and is not an empty folder)
+    except OSError:
+        if not target.is_dir():
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        _merge(stage, target)
+        shutil.rmtree(stage, ignore_errors=True)
+    else:
+        os.chmod(target, 0o777 & ~_umask())   # mkdtemp makes 0700; give the usual permissions
+
+
+def _missing_parents(folder: Path) -> list[Path]:
+    """The folders `mkdir(parents=True)` would create for `folder`, deepest first."""
+    out = []
+    while not folder.exists() and folder != folder.parent:
+        out.append(folder)
+        folder = folder.parent
+    return out
+
+
+def _merge(src: Path, dst: Path) -> None:
+    """Move every file of `src` to the same place under `dst`, replacing what is there."""
+    dst.mkdir(exist_ok=True)
+    for p in src.iterdir():
+        if p.is_dir() and not p.is_symlink():
+            _merge(p, dst / p.name)
+        else:
+            os.replace(p, dst / p.name)

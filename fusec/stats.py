@@ -114,13 +114,15 @@ def _bytes(n: float) -> str:
     return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.2f} MB"
 
 
-def format_summary(graph: Graph, st: GraphStats, context: int) -> str:
+def format_summary(graph: Graph, st: GraphStats, st_batch: GraphStats, batch: int, context: int) -> str:
+    """`st` at batch 1 (parameters a token activates), `st_batch` at the batch compiled for (what a
+    step reads: more sequences route to more experts); each figure names the batch it is for."""
     lines = [f"graph {graph.name}: {len(graph.ops)} ops, {len(graph.weights())} weights, "
              f"{len(graph.states())} state tensors",
              "layers: " + ", ".join(f"{n} x {k}" for k, n in st.layers.items()),
              "ops: " + ", ".join(f"{k} {n}" for k, n in st.ops.items()),
              f"parameters: {_count(st.params)} ({_bytes(st.weight_bytes)} of weights)",
              f"active parameters per token (batch 1): {_count(st.active_params)}",
-             f"bytes read per decode step (batch 1, context {context}): {_bytes(st.bytes_read)} "
-             f"(weights {_bytes(st.weight_bytes_read)})"]
+             f"bytes read per decode step (batch {batch}, context {context}): {_bytes(st_batch.bytes_read)} "
+             f"(weights {_bytes(st_batch.weight_bytes_read)})"]
     return "\n".join(lines)
