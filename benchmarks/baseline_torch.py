@@ -19,8 +19,9 @@ replayed as a CUDA graph), on the *same weights* as a fusec step so the logits c
     q^T S' (S' = diag(e^g) S), u = v - k^T S', o = q^T S' + (q . beta k) u, and one fused
     elementwise pass writes S' + beta k u^T.
   * MLA, absorbed: q_lat = q_nope W_UK per head (bmm), scores = [q_lat, q_pe] . cache rows
-    0..ctx-1 (one bmm over the 576-wide latent rows; rows past each sequence's position are
-    masked), fp32 softmax, o_lat = P cache[:, :512], o = o_lat W_UV^T (bmm). `ctx` defaults to
+    0..ctx-1 (one bmm over the 576-wide latent rows, fp32 scores where the fp32-output bmm
+    exists, see below; rows past each sequence's position are masked), fp32 softmax,
+    o_lat = P cache[:, :512], o = o_lat W_UV^T (bmm). `ctx` defaults to
     the cache length, and speed.py builds with max_len = pos + 1, so exactly rows 0..pos are read.
   * AttnRes: the softmax over the block sources in fp32, fused by Inductor.
   * LatentMoE (`moe=`):
@@ -30,8 +31,9 @@ replayed as a CUDA graph), on the *same weights* as a fusec step so the logits c
         expert's weights are read once however many tokens chose it;
       - "dense" (bf16 experts): every token through every expert (W1/W3 as one [E*I, D] GEMM
         each, W2 as a bmm over experts), combined with a dense [B, E] weight matrix; reads all
-        E experts, but as a few large GEMMs: the faster choice once most experts are routed to
-        (batch 16, top-16 of 128);
+        E experts, but as a few large GEMMs: can win once most experts are routed to anyway
+        (batch 16, top-16 of 128 routes to ~113 of 128 at random), so speed.py times it against
+        "grouped" wherever B*topk >= E;
       - "gather" (bf16 or MXFP4): per sorted slot a GEMV written as multiply + sum over the
         gathered expert rows; Inductor turns it into one Triton reduction kernel per matrix
         that loads the expert's weights through the slot's index. For MXFP4 this kernel reads
@@ -39,16 +41,19 @@ replayed as a CUDA graph), on the *same weights* as a fusec step so the logits c
         so it reads 4.25 bits per weight -- the MXFP4 path. Slots are sorted by expert so
         tokens sharing an expert read the same rows back to back (L2 hits);
       - "dequant" (MXFP4): the distinct routed experts (padded to min(E, B*topk), a static
-        shape) dequantized to bf16 inside the step, then the "grouped" GEMMs. Kept for
-        comparison: at K3 widths one expert is 17.3 MB in MXFP4 but 66 MB in bf16, so the step
-        writes and re-reads ~7.5x the bytes it needs; on Hopper (no FP4 tensor cores, and
-        torch's MX `scaled_mm` / `scaled_grouped_mm` need sm100) the in-register decode of
-        "gather" is the fastest PyTorch path we know.
-    `default_moe(cfg, batch)` picks grouped / gather; benchmarks/speed.py times the candidates
-    (`moe_candidates`) per batch and keeps the fastest. Combine is sum_j w_j y_j in fp32.
-  * router logits and lm_head logits in fp32: `torch.mm(..., out_dtype=float32)` (bf16 inputs,
-    fp32 output, CUDA) when this torch compiles it, else the router from an fp32 copy of the
-    (small) gate weight and the logits as a bf16 GEMM upcast (`fp32_out_matmul_ok`).
+        shape) dequantized to bf16 inside the step, then the "grouped" GEMMs: the obvious
+        Hopper recipe (no FP4 tensor cores; torch's MX-format `scaled_mm` /
+        `scaled_grouped_mm` need sm100). At K3 widths one expert is 17.6 MB in MXFP4 but 66 MB
+        in bf16, so this path moves 17.6 + 66 written + 66 re-read = ~8.5x the bytes the
+        in-register decode of "gather" reads; speed.py still times it against "gather" where
+        its bf16 buffer stays small (B*topk <= 64), and "gather" is the MXFP4 default.
+    `default_moe(expert_dtype, batch, topk, experts, device)` picks grouped / gather;
+    benchmarks/speed.py times the candidates (`moe_candidates`) per batch and keeps the
+    fastest. The combine is sum_j w_j y_j in fp32, in slot order.
+  * router logits, lm_head logits and MLA scores in fp32: `torch.mm/bmm(..., out_dtype=float32)`
+    (bf16 inputs, fp32 output: CUDA) when this torch runs and compiles it
+    (`fp32_out_matmul_ok`); else the router from an fp32 copy of its (small) gate weight and
+    logits and scores as bf16 GEMM outputs upcast (what HF-style code does).
   * everything else bf16 weights and activations with fp32 accumulation (cuBLAS), fp32 state.
 
 Independent of fusec's executor: only the weight names and the model config (K3Config) are
