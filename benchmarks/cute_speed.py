@@ -33,6 +33,7 @@ HBM_TBPS = 4.16
 SAVE_DIR = os.environ.get("FUSEC_PROFILE_DIR")   # set: also save each profile (torch.save)
 PREFETCH_KB = [0, 16, 64]   # --prefetch-kb
 GEMV_VARIANTS: list[str] = []   # --gemv-variants: other GEMV_BF16 bodies timed on the same table
+PLAN_VARIANTS: list[str] = []   # --plan-variants: other compile-time plan fields, same table
 
 
 def model_path() -> str:
@@ -156,6 +157,10 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
     for gv in GEMV_VARIANTS:
         mk = Megakernel(dataclasses.replace(run.plan, gemv=gv))   # a new body: a new compile
         pf[f"gemv={gv}"] = (mk, mk.capture_graph(), [])
+    for pv in PLAN_VARIANTS:   # "field=value,field=value": other compile-time plan settings
+        kv = dict(f.split("=") for f in pv.split(","))
+        mk = Megakernel(dataclasses.replace(run.plan, **{k: type(getattr(run.plan, k))(v) for k, v in kv.items()}))
+        pf[pv] = (mk, mk.capture_graph(), [])
     for _ in range(3):
         for cap, (mk, g, ts) in pf.items():
             ts.append(median_us(g.replay, reps))
@@ -196,9 +201,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--prefetch-kb", default="0,16,64", help="prefetch caps to time (KiB per row, 0 = none)")
     ap.add_argument("--gemv-variants", default="", help="other GEMV_BF16 bodies to time (simt, mma)")
+    ap.add_argument("--plan-variants", default="", help="other plan settings to time, ';'-separated, "
+                    "each 'field=value[,field=value]' (e.g. 'l2_ahead=0;l2_ahead=4')")
     args = ap.parse_args(argv)
     PREFETCH_KB[:] = [int(x) for x in args.prefetch_kb.split(",") if x]
     GEMV_VARIANTS[:] = [x for x in args.gemv_variants.split(",") if x]
+    PLAN_VARIANTS[:] = [x for x in args.plan_variants.split(";") if x]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, config {args.config}, "
           f"position {args.max_len - 1}, GEMV_BF16 body {GEMV_VARIANTS and 'default (' + ','.join(GEMV_VARIANTS) + ' timed too)' or 'default'}", flush=True)
     rows = []

@@ -340,6 +340,11 @@ class KernelPlan:
     # when it can, simt at batch 1 (slice4-e128 on the H200: 3535 us simt vs 3675 us mma at B=1;
     # 6679 vs 7965 us at B=4, 18500 vs 29216 us at B=16; benchmarks/cute_speed.py --gemv-variants).
     gemv: str = "auto"
+    # GEMV / EXPERT_BF16 bodies: bulk-prefetch their weight rows into L2 this many loop
+    # iterations ahead of the loads (0 = off), so more bytes are in flight than registers hold.
+    # Off: at 2 the slice4-e128 step measured 2-6% slower on the H200 (3728 / 7031 / 15627 us
+    # at B = 1 / 4 / 16 against 3637 / 6644 / 15162 in the run before, baselines within 3%).
+    l2_ahead: int = 0
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
