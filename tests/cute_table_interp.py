@@ -163,32 +163,37 @@ class Interp:
         return MXFP4Tensor(packed, scale).dequant()
 
     def expert(self, r, B, mx):
-        """Slots P0 >> 16 .. P0 & 0xFFFF of batch rows P2 >> 16 .. P2 & 0xFFFF: GLU -> bf16 h,
-        DOWN -> fp32 y (plain dot); slot s of the output at column s * AUX (of DOWN's input: s * K)."""
-        for s in range(r.p0 >> 16, r.p0 & 0xFFFF):
-            one = dataclasses.replace(r, p0=s, a1=r.a1 + (0 if r.sub == ExpertMode.GLU else 2 * s * r.k),
-                                      a2=r.a2 + (2 if r.sub == ExpertMode.GLU else 4) * s * r.aux)
-            self.expert_slot(one, B, mx)
-
-    def expert_slot(self, r, B, mx):
-        """One slot P0 of batch rows P2 >> 16 .. P2 & 0xFFFF (A1, A2 point at the slot)."""
-        topk = r.p1
-        ids = self.t(r.a4, torch.int32, (B, topk), (topk, 1))
-        glu = r.sub == ExpertMode.GLU
-        x = self.mat(r.a1, B, r.k, r.ldx).float()
-        out = self.mat(r.a2, B, r.n1, r.ldy, not glu)
+        """Slots P0 >> 16 .. P0 & 0xFFFF of batch rows P2 >> 16 .. P2 & 0xFFFF, output rows N0..N1:
+        GLU -> bf16 h, DOWN -> fp32 y (plain dot); slot s of the output at column s * AUX (of
+        DOWN's input: s * K). Pairs are grouped by expert, each group one matrix product, as
+        the registry computes them (CPU BLAS rounds an M-row product differently from M
+        single-row ones) and as the bf16 body streams them."""
         from fusec.ir.ops.core import situ_glu_math
-        for b in range(r.p2 >> 16, r.p2 & 0xFFFF):
-            e = int(ids[b, r.p0])
+        topk, glu = r.p1, r.sub == ExpertMode.GLU
+        ids = self.t(r.a4, torch.int32, (B, topk), (topk, 1))
+        rows_e, n0, n1 = r.aux, r.n0, r.n1
+        # x rows [B, LDX] (GLU) or [B, slot, K] (DOWN); out [B, LDY] with slot s at s * AUX.
+        x = self.mat(r.a1, B, r.ldx, r.ldx).float()
+        out = self.mat(r.a2, B, r.ldy, r.ldy, not glu)
+        pairs = [(b, s) for b in range(r.p2 >> 16, r.p2 & 0xFFFF) for s in range(r.p0 >> 16, r.p0 & 0xFFFF)]
+        groups: dict[int, list] = {}
+        for b, s in pairs:
+            groups.setdefault(int(ids[b, s]), []).append((b, s))
+        for e, members in groups.items():
+            cols = [(s * rows_e + n0, s * rows_e + n1) for _, s in members]
             if e < 0:
-                out[b, r.n0:r.n1] = 0
+                for (b, _), (c0, c1) in zip(members, cols):
+                    out[b, c0:c1] = 0
                 continue
-            wg = self.weight_rows(r.a0, r.a3, mx, e, r.aux, r.n0, r.n1, r.k)
+            xe = torch.stack([x[b, :r.k] if glu else x[b, s * r.k:(s + 1) * r.k] for b, s in members])
+            wg = self.weight_rows(r.a0, r.a3, mx, e, rows_e, n0, n1, r.k)
             if glu:
-                wu = self.weight_rows(r.a5, r.a6, mx, e, r.aux, r.n0, r.n1, r.k)
-                out[b, r.n0:r.n1] = situ_glu_math(wg @ x[b], wu @ x[b]).to(torch.bfloat16)
+                wu = self.weight_rows(r.a5, r.a6, mx, e, rows_e, n0, n1, r.k)
+                y = situ_glu_math(xe @ wg.T, xe @ wu.T).to(torch.bfloat16)
             else:
-                out[b, r.n0:r.n1] = wg @ x[b]
+                y = xe @ wg.T
+            for i, ((b, _), (c0, c1)) in enumerate(zip(members, cols)):
+                out[b, c0:c1] = y[i]
 
     def mla(self, r, B):
         """PARTIAL writes [o / l, m, l] per (chunk, batch, head) over the chunk's rows up to pos;
