@@ -125,6 +125,7 @@ class Acc:
     copy: int = 0      # the rank whose copy of the task runs it (symmetric mode); else task.rank
     memo: tuple | None = None   # loads: the writers entry of (rank, buf, box, version), once looked up
     uid: int = 0       # the task instance: copy * tasks + id (unique in both modes)
+    addr: tuple = ()   # loads: the values addressing it (derived from the graph + the annotation; V3)
 
     @property
     def instr(self):
@@ -150,7 +151,7 @@ class Access:
     0's (by symmetry every rank's loads are rank 0's rotated); the stores landing on rank t's
     copy of a buffer are, for each rank-0 store with target offset d, the store of copy t - d."""
 
-    def __init__(self, s: Schedule, hb):
+    def __init__(self, s: Schedule, hb, derived=None):
         self.s, self.hb = s, hb
         self.n = len(s.tasks)
         self.bm = BufferMap(s.graph, getattr(s, "buffers", {}))
@@ -166,13 +167,17 @@ class Access:
             for k, i in enumerate(t.instrs):
                 if (i.kind is not LOAD and i.kind is not STORE) or vcs[k] is None:
                     continue
-                if i.kind is LOAD and not i.addressed_by and kinds.get(root[i.region.tensor][0]) is weight:
-                    continue    # a plain weight read: no rule looks at it (V3 needs the addressed ones)
+                addr = ()
+                if i.kind is LOAD:
+                    d = derived.addr(t).get(root[i.region.tensor][0]) if derived is not None else None
+                    addr = tuple(x for x in dict.fromkeys((d, i.addressed_by)) if x)
+                    if not addr and kinds.get(root[i.region.tensor][0]) is weight:
+                        continue    # a plain weight read: no rule looks at it (V3 needs the addressed ones)
                 buf, ver = self.bm.access(t, i.region.tensor, i.kind is STORE)
                 kind = kinds[buf]
                 a = Acc(t, k, i.region, t.rank if i.region.rank is None else i.region.rank, buf, ver, kind,
                         buf in self.bm.inputs and ver == 0, ver > 0 or kind in (Kind.act, Kind.comm), t.rank,
-                        None, t.rank * self.n + t.id)
+                        None, t.rank * self.n + t.id, addr)
                 if i.kind is InstrKind.LOAD:
                     self.loads.append(a)
                 elif hb.sym:

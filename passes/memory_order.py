@@ -25,6 +25,7 @@ import numpy as np
 from fusec.ir.schedule import Instr, InstrKind, Schedule, Scope, Sem
 from fusec.ir.types import Kind
 
+from ._derive import Derived, structure
 from ._memory_access import Access, expand_ranks, region_str
 
 
@@ -36,6 +37,10 @@ class Rule(enum.Enum):
     V5 = "V5"   # no deadlock; thresholds reachable
     V6 = "V6"   # signal after last store, release/acquire, sys scope across GPUs
     V7 = "V7"   # same grid and event layout on every rank
+    S1 = "S1"   # structure: task ids, queues name existing tasks on their header's (rank, sm), instr fields
+    S2 = "S2"   # events: declared once, on a rank in R, before any wait/signal uses them
+    S3 = "S3"   # ranks, SMs, peers and region ranks inside the R x sms grid (never modulo R)
+    S4 = "S4"   # LOAD/STORE lines cover exactly the regions the task's ops read and write (derived)
 
 
 @dataclass(frozen=True)
@@ -69,20 +74,40 @@ class Report:
 
 
 def check_schedule(schedule: Schedule) -> Report:
-    """Check V1-V7; returns every violation found (V1-V4 only for tasks the step reaches)."""
+    """Check S1-S4 and V1-V7; returns every violation found (V1-V4 only for tasks the step
+    reaches). Structural errors (S1-S3, or an S4 region naming no tensor) stop the check there:
+    the rules cannot be stated over such a schedule. Never raises on a malformed schedule."""
+    rep = Report()
+    try:
+        rep.errors += structure(schedule)
+        if rep.errors:
+            rep.stats = {"tasks": len(schedule.tasks), "ranks": schedule.ranks, "structural": True}
+            return rep
+        der = Derived(schedule)
+        errs, fatal = der.check()
+        rep.errors += errs
+        if fatal:
+            rep.stats = {"tasks": len(schedule.tasks), "ranks": schedule.ranks, "structural": True}
+            return rep
+        _check_rules(schedule, der, rep)
+    except Exception as e:          # a schedule the checks above let through and still breaks a rule's code
+        rep.errors.append(Violation(Rule.S1, None, message=f"malformed schedule: the verifier cannot analyse it "
+                                                           f"({type(e).__name__}: {e})"))
+    return rep
+
+
+def _check_rules(schedule: Schedule, der: Derived, rep: Report) -> None:
     sym = bool(getattr(schedule, "replicated", False)) and schedule.ranks > 1
     s = schedule if sym else expand_ranks(schedule)
-    rep = Report()
     rep.errors += v7_same_grid(s)
     rep.errors += v6_signal_semantics(s)
     hb = HappensBefore(s, symmetric=sym)
     rep.errors += v5_deadlock(s, hb)
-    acc = Access(s, hb)
+    acc = Access(s, hb, der)
     rep.errors += v1_v2_producers(s, hb, acc)
     rep.errors += v3_addressed_loads(s, hb, acc)
     rep.errors += v4_races(s, hb, acc)
     rep.stats = {"tasks": len(s.tasks), "ranks": s.ranks, "queues": len(hb.qkeys), "symmetric": sym}
-    return rep
 
 
 # -- happens-before ------------------------------------------------------------------------------
@@ -288,14 +313,13 @@ def v3_addressed_loads(s: Schedule, hb: HappensBefore, acc: Access) -> list[Viol
     of that value, even when it loads a weight."""
     out = []
     for ld in acc.loads:
-        a = ld.region and ld.instr.addressed_by
-        if not a:
-            continue
-        for st in acc.writers_of(a, ld.copy):
-            if not acc.store_before_load(st, ld):
+        for a in ld.addr:       # derived from the graph, plus the declared annotation
+            bad = next((st for st in acc.writers_of(a, ld.copy) if not acc.store_before_load(st, ld)), None)
+            if bad is not None:
+                how = "" if a == ld.instr.addressed_by else " (the graph's dataflow says so; the load's annotation does not)"
                 out.append(Violation(Rule.V3, ld.task.id, region_str(ld.region, ld.rank),
-                                     f"a wait ordering it after task {acc.name(st)}",
-                                     f"load addressed by %{a} is not ordered after its producer task {acc.name(st)}"))
+                                     f"a wait ordering it after task {acc.name(bad)}",
+                                     f"load addressed by %{a}{how} is not ordered after its producer task {acc.name(bad)}"))
                 break
     return out
 

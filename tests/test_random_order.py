@@ -50,7 +50,7 @@ def test_reference_outputs_differ_between_steps():
 
 
 # examples whose bug changes values: some orders must poison, mismatch or deadlock
-CAUGHT = ["v1_dropped_wait", "v1_overwritten", "v1_threshold_low", "v2_hoisted_load", "v3_hoisted_weight",
+CAUGHT = ["v1_dropped_wait", "s4_load_after_compute", "v1_threshold_low", "v2_hoisted_load", "v3_hoisted_weight",
           "v4_comm_reuse", "v4_war_state", "v5_deadlock", "v5_per_step", "v5_threshold_high", "v6_early_signal"]
 
 
