@@ -6,7 +6,8 @@ Outputs (staged in a folder next to <out>, moved there once the whole compile su
   lowered.fir           the graph after the graph passes (fused, sharded)   [--emit all]
   schedule.fsched       the static plan (tasks, events, queues)              [--emit all]
   verify.txt            the memory-order verifier report                     [--emit all]
-  trace.json            predicted timeline (Perfetto / chrome://tracing)     [--emit all]
+  trace.json            predicted timeline (Perfetto / chrome://tracing): one track per 16 SMs
+                        and one event per task family; --trace full: one event per task  [--emit all]
   tasks.dot             the fused task graph (Graphviz)                      [--emit all]
   cute/                 megakernel .py, its PTX, task table, memory plan, audit  [--emit cute]
                         (+ sm_90a .o/.h with --aot; fusec.backends.cute.emit)
@@ -14,8 +15,11 @@ Outputs (staged in a folder next to <out>, moved there once the whole compile su
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tqdm import tqdm
 
 from fusec.config import Options
 from fusec.ir.printer import print_graph
@@ -38,7 +42,7 @@ class CompileResult:
 
 def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", ranks=1, batch=1,
                    max_len=4096, passes="default", print_ir_after_all=False, dump_dir=None,
-                   aot=False) -> CompileResult:
+                   aot=False, trace="compact") -> CompileResult:
     """Compile and write the outputs into `out` (default out/<graph name>).
 
     Everything is written into a staging folder next to `out` and moved there only once the
@@ -52,13 +56,14 @@ def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", 
     out = Path(out) if out else Path("out") / graph.name
     with staged_dir(out) as stage:
         res = _compile_into(graph, stage, emit=emit, ranks=ranks, batch=batch, max_len=max_len,
-                            passes=passes, print_ir_after_all=print_ir_after_all, dump_dir=dump_dir, aot=aot)
+                            passes=passes, print_ir_after_all=print_ir_after_all, dump_dir=dump_dir, aot=aot,
+                            trace=trace)
     res.written = [out / p.relative_to(stage) for p in res.written]
     return res
 
 
 def _compile_into(graph, out: Path, *, emit, ranks, batch, max_len, passes, print_ir_after_all, dump_dir,
-                  aot) -> CompileResult:
+                  aot, trace) -> CompileResult:
     st = graph_stats(graph, {"B": 1, "L": max_len})
     st_batch = st if batch == 1 else graph_stats(graph, {"B": batch, "L": max_len})
     res = CompileResult(format_summary(graph, st, st_batch, batch, max_len))
@@ -66,10 +71,18 @@ def _compile_into(graph, out: Path, *, emit, ranks, batch, max_len, passes, prin
     res.written.append(write_text(out / "summary.txt", res.summary + "\n"))
     if emit == "fir":
         return res
-    prog = lower(graph, Options.from_env(ranks=ranks, batch=batch, max_len=max_len,
-                                         print_ir_after_all=print_ir_after_all, dump_dir=dump_dir), passes)
-    res.program = prog
-    res.written += write_schedule_outputs(prog, out)
+    from fusec.passes.manager import parse_pipeline
+    # Progress on stderr for a person at a terminal (tqdm turns itself off when stderr is not
+    # one): a full-K3 compile spends seconds in the tile, schedule and verify stages.
+    with tqdm(total=len(parse_pipeline(passes)) + 2, unit="stage", file=sys.stderr, disable=None,
+              leave=False, bar_format="{desc:<24} {bar:20} {n_fmt}/{total_fmt} [{elapsed}]") as bar:
+        prog = lower(graph, Options.from_env(ranks=ranks, batch=batch, max_len=max_len,
+                                             print_ir_after_all=print_ir_after_all, dump_dir=dump_dir),
+                     passes, progress=bar)
+        bar.set_description("fusec: write outputs")
+        res.program = prog
+        res.written += write_schedule_outputs(prog, out, full_trace=trace == "full")
+        bar.update(1)
     res.summary += "\n" + schedule_summary(prog)
     if emit == "cute":
         if prog.schedule is None:
@@ -81,13 +94,19 @@ def _compile_into(graph, out: Path, *, emit, ranks, batch, max_len, passes, prin
     return res
 
 
-def lower(graph, opts: Options, passes: str = "default"):
-    """Run the pipeline on a copy of `graph`; dumps every stage when asked."""
-    from fusec.passes.manager import Program, parse_pipeline, run_pipeline
+def lower(graph, opts: Options, passes: str = "default", progress=None):
+    """Run the pipeline on a copy of `graph`, then verify it (once at the end unless
+    `opts.verify_each_pass`, which checks after every pass); dumps every stage when asked.
+    `progress`: a tqdm bar advanced once per pass and once for the final verification."""
+    from fusec.passes.manager import PassError, Program, parse_pipeline, run_pipeline, verify_program
     names = parse_pipeline(passes)
     prog = Program(graph.copy(), opts)
 
     def on_stage(name, p):
+        if progress is not None:
+            i = names.index(name)
+            progress.set_description(f"fusec: {names[i + 1] if i + 1 < len(names) else 'verify'}")
+            progress.update(1)
         if not (opts.print_ir_after_all or opts.dump_dir):
             return                       # printing a full-K3 schedule costs seconds: only when asked
         text = stage_text(p)
@@ -98,7 +117,17 @@ def lower(graph, opts: Options, passes: str = "default"):
             ext = "fsched" if p.schedule is not None and p.notes.get("scheduled") else "fir"
             write_text(Path(opts.dump_dir) / f"{idx:02d}-{name}.{ext}", text)
 
-    return run_pipeline(prog, names, on_stage)
+    if progress is not None and names:
+        progress.set_description(f"fusec: {names[0]}")
+    run_pipeline(prog, names, on_stage)
+    if not opts.verify_each_pass:
+        try:
+            verify_program(prog)
+        except ValueError as e:
+            raise PassError(f"after the pipeline: {e}") from None
+    if progress is not None:
+        progress.update(1)
+    return prog
 
 
 def stage_text(prog) -> str:
@@ -108,7 +137,7 @@ def stage_text(prog) -> str:
     return print_graph(prog.graph)
 
 
-def write_schedule_outputs(prog, out: Path) -> list[Path]:
+def write_schedule_outputs(prog, out: Path, full_trace: bool = False) -> list[Path]:
     written = [write_text(out / "lowered.fir", print_graph(prog.graph))]
     if prog.schedule is None:
         return written
@@ -119,7 +148,8 @@ def write_schedule_outputs(prog, out: Path) -> list[Path]:
     report = prog.notes.get("memory_order") or check_schedule(prog.schedule)
     written.append(write_text(out / "verify.txt", format_report(report) + "\n"))
     # ranks of a replicated schedule run the same timeline: draw a few, not all 64
-    written.append(write_text(out / "trace.json", json.dumps(chrome_trace(prog.schedule, ranks=TRACE_RANKS))))
+    trace = chrome_trace(prog.schedule, ranks=TRACE_RANKS, full=full_trace)
+    written.append(write_text(out / "trace.json", json.dumps(trace, separators=(",", ":"))))
     written.append(write_text(out / "tasks.dot", task_graph_dot(prog.schedule, prog.notes.get("units"))))
     return written
 

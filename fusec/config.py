@@ -2,7 +2,9 @@
 
 Environment variables (read once per call of `Options.from_env`):
   FUSEC_LOG            comma list of log channels to print to stderr (e.g. `fusion,overlap,pass`)
-  FUSEC_VERIFY         `1` (default) verifies after every pass, `0` only at the end
+  FUSEC_VERIFY         `end` (default) verifies the program once, after the last pass; `each`
+                       after every pass (tests build `Options` directly, where verifying after
+                       every pass is the default)
   FUSEC_SMS            SMs per GPU for scheduling (default 132, an H200)
   FUSEC_CUTE_ARCH      GPU arch for the CuTe backend (default sm_90a)
 """
@@ -32,7 +34,7 @@ class Options:
         env = os.environ
         base = dict(
             log=frozenset(x for x in env.get("FUSEC_LOG", "").split(",") if x),
-            verify_each_pass=env.get("FUSEC_VERIFY", "1") != "0",
+            verify_each_pass=env.get("FUSEC_VERIFY", "end") == "each",
             sms=int(env.get("FUSEC_SMS", "132")),
             cute_arch=env.get("FUSEC_CUTE_ARCH", "sm_90a"),
         )

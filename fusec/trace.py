@@ -1,8 +1,11 @@
 """Timeline and graph pictures of a schedule.
 
-`chrome_trace(schedule)` -> a Chrome trace-event JSON object that Perfetto (ui.perfetto.dev)
-and chrome://tracing open: one "X" (complete) event per task at its predicted start, with
-pid = rank, tid = SM (one track per SM per rank), ts / dur in microseconds. Start times are
+`chrome_trace(schedule, full=True)` -> a Chrome trace-event JSON object that Perfetto
+(ui.perfetto.dev) and chrome://tracing open: one "X" (complete) event per task at its predicted
+start, with pid = rank, tid = SM (one track per SM per rank), ts / dur in microseconds. The
+default (`full=False`) is compact, for a file a person opens (full K3: tens of MB -> ~1 MB):
+one track per group of SM_GROUP SMs with one event per task family there (first start to last
+end, task count and busy time in args), and a "busy SMs" counter sampled over the step. Start times are
 replayed from the queues and the waits with the same rules as the list scheduler (a task starts
 when its SM is free and every family it waits on has finished), so the picture shows exactly
 the prediction. Replicated schedules are drawn for every rank (`ranks` caps how many).
@@ -12,7 +15,7 @@ task count, body), one edge per event wait.
 """
 from __future__ import annotations
 
-import json
+import bisect
 from collections import defaultdict
 
 from fusec.ir.schedule import InstrKind, Schedule
@@ -74,8 +77,14 @@ def task_times(s: Schedule) -> dict[int, tuple[float, float]]:
     return out
 
 
-def chrome_trace(s: Schedule, ranks: int | None = None) -> dict:
+SM_GROUP = 16          # compact trace: SMs per track
+COUNTER_SAMPLES = 400  # compact trace: points of the busy-SMs counter
+
+
+def chrome_trace(s: Schedule, ranks: int | None = None, full: bool = False) -> dict:
     times = task_times(s)
+    if not full:
+        return _compact_trace(s, times, ranks)
     shown = min(s.ranks, ranks or s.ranks) if s.replicated else 1
     ev = []
     for r in range(shown):
@@ -91,9 +100,39 @@ def chrome_trace(s: Schedule, ranks: int | None = None) -> dict:
             "otherData": {"predicted_step_us": s.meta.get("predicted_step_us", "")}}
 
 
-def write_chrome_trace(s: Schedule, path: str, ranks: int | None = None) -> None:
-    with open(path, "w") as f:
-        json.dump(chrome_trace(s, ranks), f)
+def _compact_trace(s: Schedule, times: dict, ranks: int | None) -> dict:
+    """One track per (rank, SM group); one event per task family on it; a busy-SMs counter."""
+    shown = min(s.ranks, ranks or s.ranks) if s.replicated else s.ranks
+    fam: dict[tuple, list] = {}
+    for t in s.tasks:
+        st, en = times[t.id]
+        key = (t.rank if not s.replicated else 0, t.sm // SM_GROUP, t.body_kind, tuple(t.ops))
+        f = fam.setdefault(key, [st, en, 0, 0.0])
+        f[0], f[1], f[2], f[3] = min(f[0], st), max(f[1], en), f[2] + 1, f[3] + (en - st)
+    groups = sorted({sm // SM_GROUP for (_, sm) in s.queues})
+    end = max((e for _, e in times.values()), default=0.0)
+    ev = []
+    for r in range(shown):
+        ev.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+        for gi in groups:
+            ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": gi,
+                       "args": {"name": f"SMs {gi * SM_GROUP}-{gi * SM_GROUP + SM_GROUP - 1}"}})
+        for (rank, gi, body, ops), (st, en, n, busy) in fam.items():
+            if s.replicated or rank == r:
+                ev.append({"ph": "X", "name": body, "cat": body, "pid": r, "tid": gi, "ts": round(st, 3),
+                           "dur": round(en - st, 3), "args": {"tasks": n, "busy_us": round(busy, 3),
+                                                             "ops": list(ops)[:8]}})
+        # busy SMs over the step (every rank of a replicated schedule runs the same timeline)
+        mine = [times[t.id] for t in s.tasks if s.replicated or t.rank == r]
+        starts, ends = sorted(a for a, _ in mine), sorted(b for _, b in mine)
+        for i in range(COUNTER_SAMPLES + 1):
+            ts = end * i / COUNTER_SAMPLES
+            busy = bisect.bisect_right(starts, ts) - bisect.bisect_right(ends, ts)
+            ev.append({"ph": "C", "name": "busy SMs", "pid": r, "ts": round(ts, 3), "args": {"busy": busy}})
+    return {"traceEvents": ev, "displayTimeUnit": "ns",
+            "otherData": {"predicted_step_us": s.meta.get("predicted_step_us", ""),
+                          "compact": f"one track per {SM_GROUP} SMs, one event per task family; --trace full "
+                                     "for one event per task"}}
 
 
 def task_graph_dot(s: Schedule, units=None) -> str:

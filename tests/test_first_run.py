@@ -19,7 +19,7 @@ PACKAGED = ["fusec", "ir", "passes", "backends", "models"]       # what pyprojec
 LOCAL = {*PACKAGED, "tests"}
 # import name -> distribution name, for every third-party module the code may import; a new
 # import fails test_every_import_is_declared until it is added here and to pyproject.toml
-DIST = {"torch": "torch", "numpy": "numpy", "lark": "lark", "jinja2": "jinja2", "safetensors": "safetensors",
+DIST = {"torch": "torch", "numpy": "numpy", "lark": "lark", "jinja2": "jinja2", "safetensors": "safetensors", "tqdm": "tqdm",
         "pytest": "pytest", "syrupy": "syrupy", "cutlass": "nvidia-cutlass-dsl", "cuda": "cuda-bindings"}
 CUTE_ONLY = {"cutlass", "cuda"}
 

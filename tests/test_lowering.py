@@ -18,7 +18,7 @@ from fusec.ir.schedule import InstrKind, Scope
 from fusec.ir.types import DType, Kind
 from fusec.models import kimi_k3
 from fusec.passes.manager import Program, run_pipeline
-from fusec.trace import chrome_trace, task_graph_dot
+from fusec.trace import SM_GROUP, chrome_trace, task_graph_dot
 
 LOWER = ["tile", "overlap", "schedule", "prefetch"]
 
@@ -263,9 +263,22 @@ def test_collective_is_pushed_per_peer_with_system_scope():
     assert sorted(t.instrs[-1].peer for t in r2) == [0, 1, 3]
 
 
-def test_trace_has_one_track_per_sm(tiny):
+def test_compact_trace_groups_sms_and_families(tiny):
     s = tiny.schedule
     tr = json.loads(json.dumps(chrome_trace(s)))
+    xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) < len(s.tasks)                                # families, not tasks
+    assert sum(e["args"]["tasks"] for e in xs) == len(s.tasks)   # every task counted once
+    assert {e["tid"] for e in xs} == {sm // SM_GROUP for (_, sm) in s.queues}
+    end = max(e["ts"] + e["dur"] for e in xs)
+    assert end == pytest.approx(float(s.meta["predicted_step_us"]), rel=1e-6)
+    busy = [e["args"]["busy"] for e in tr["traceEvents"] if e["ph"] == "C"]
+    assert busy and 0 < max(busy) <= len(s.queues)
+
+
+def test_trace_has_one_track_per_sm(tiny):
+    s = tiny.schedule
+    tr = json.loads(json.dumps(chrome_trace(s, full=True)))
     xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == len(s.tasks)
     assert {(e["pid"], e["tid"]) for e in xs} == {(0, sm) for (_, sm) in s.queues}
