@@ -15,12 +15,16 @@ from typing import Protocol
 
 import torch
 
-from fusec.backends.reference.executor import init_state, prepare_weights, run_step
+from fusec.backends.reference.executor import first_nonfinite_op, init_state, prepare_weights, run_step
 from fusec.extras import require_cute
 from fusec.ir.graph import Graph
 from fusec.ir.verify import verify_graph
 from fusec.loader import load_graph
-from fusec.weights import random_weights
+from fusec.weights import check_finite_weights, random_weights
+
+
+class NonFiniteLogits(FloatingPointError):
+    """A step produced NaN or Inf logits (the greedy token of such a row would be meaningless)."""
 
 
 @dataclass
@@ -44,10 +48,19 @@ class ReferenceRunner:
 
     def reset(self) -> None:
         self.state = init_state(self.graph, self.dims, self.device, self.precision)
+        self.last_env = None
 
     def run(self, tokens, positions, hook=None):
+        # The step's values are kept until the next step (execute holds them all anyway), so a
+        # non-finite result can be traced to the op that produced it at no cost when all is well.
+        self.last_env = {}
         return run_step(self.graph, self.weights, self.state, {"tokens": tokens, "pos": positions},
-                        self.dims, self.precision, hook)
+                        self.dims, self.precision, hook, env_out=self.last_env)
+
+    def explain_nonfinite(self) -> str | None:
+        """'op NAME -> %value' for the first op of the last step whose result was non-finite."""
+        hit = first_nonfinite_op(self.graph, self.last_env or {})
+        return None if hit is None else f"first produced by op {hit[0].opname} -> %{hit[1]}"
 
 
 def _cute_runner(graph, weights, dims, device, precision):
@@ -60,55 +73,162 @@ BACKENDS = {"reference": ReferenceRunner, "cute": _cute_runner}
 
 
 class CompiledStep:
-    """One compiled decode step with its own state (KV caches, recurrent and conv states)."""
+    """One compiled decode step with its own state (KV caches, recurrent and conv states).
 
-    def __init__(self, graph: Graph, runner, batch: int, max_len: int, device: str):
+    Every step checks its logits are finite (one `isfinite().all()`): a NaN/Inf row raises
+    `NonFiniteLogits` naming the step (and, on the reference backend, the first op that produced
+    a non-finite value) instead of returning a meaningless greedy token. On a CUDA device with a
+    backend other than the reference one the check does not sync the host: its result is copied
+    back asynchronously and raised by the next `step` or by `check()` (as the cute runner does
+    for its timeout words). `check_finite=False` turns the check off."""
+
+    def __init__(self, graph: Graph, runner, batch: int, max_len: int, device: str, *,
+                 check_finite: bool = True, deferred: bool = False):
         self.graph, self.runner, self.batch, self.max_len, self.device = graph, runner, batch, max_len, device
+        last = graph.outputs[0].type.shape[-1] if graph.outputs else None
+        self.vocab = last if isinstance(last, int) else None   # token ids must be below it
+        self.check_finite, self.deferred = check_finite, deferred
+        self.steps_run = 0          # steps since compile or reset; names the step in errors
+        self._pending = None        # (step index, logits) of a deferred check not read back yet
+        if check_finite and deferred:   # one pinned flag and event, reused: one check is pending at most
+            self._flag_host = torch.ones((), dtype=torch.bool).pin_memory()
+            self._flag_ready = torch.cuda.Event()
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> StepOutput:
         return self.step(tokens, positions)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> StepOutput:
-        tokens = torch.as_tensor(tokens, device=self.device).to(torch.int32).reshape(-1)
-        positions = torch.as_tensor(positions, device=self.device).to(torch.int32).reshape(-1)
+        return self._step(tokens, positions, check_tokens=True)
+
+    def _step(self, tokens, positions, check_tokens: bool) -> StepOutput:
+        self.check()
+        tokens = torch.as_tensor(tokens)
+        positions = torch.as_tensor(positions)
+        if tokens.is_floating_point() or positions.is_floating_point() or torch.bool in (tokens.dtype, positions.dtype):
+            raise ValueError("tokens and positions must be integer tensors")
+        tokens, positions = tokens.reshape(-1), positions.reshape(-1)
         if tokens.shape != (self.batch,) or positions.shape != (self.batch,):
             raise ValueError(f"expected tokens and positions of shape [{self.batch}], got "
                              f"{list(tokens.shape)} and {list(positions.shape)}")
-        if int(positions.max()) >= self.max_len or int(positions.min()) < 0:
-            raise ValueError(f"positions must be in [0, {self.max_len})")
+        # one host read per tensor for its bounds (tokens fed back by generate are argmax indices)
+        ends = torch.stack([positions.min(), positions.max()]).tolist()
+        if check_tokens:
+            ends += torch.stack([tokens.min(), tokens.max()]).tolist()
+        if ends[1] >= self.max_len or ends[0] < 0:
+            raise ValueError(f"positions must be in [0, {self.max_len}), got {ends[0]}..{ends[1]}")
+        if check_tokens and (ends[2] < 0 or (self.vocab is not None and ends[3] >= self.vocab)):
+            bad = ends[2] if ends[2] < 0 else ends[3]
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab})")
+        tokens = tokens.to(device=self.device, dtype=torch.int32)
+        positions = positions.to(device=self.device, dtype=torch.int32)
         logits, nxt = self.runner.run(tokens, positions)
-        return StepOutput(logits.float(), nxt)
+        logits = logits.float()
+        k, self.steps_run = self.steps_run, self.steps_run + 1
+        if self.check_finite:
+            ok = torch.isfinite(logits).all()
+            if self.deferred:
+                self._flag_host.copy_(ok, non_blocking=True)
+                self._flag_ready.record()
+                self._pending = (k, logits)
+            elif not bool(ok):
+                self._raise_nonfinite(k, logits)
+        return StepOutput(logits, nxt)
+
+    def _raise_nonfinite(self, k: int, logits: torch.Tensor) -> None:
+        rows = (~torch.isfinite(logits)).any(dim=-1).nonzero().reshape(-1).tolist()
+        explain = getattr(self.runner, "explain_nonfinite", None)
+        where = explain() if explain is not None else None
+        raise NonFiniteLogits(f"step {k}: non-finite logits in batch row(s) {rows}"
+                              f"{'; ' + where if where else ''}")
+
+    def check(self) -> None:
+        """Raise the error of an earlier step still pending (deferred non-finite check, or the
+        backend's own asynchronous checks); waits for that step."""
+        pending, self._pending = self._pending, None
+        backend_check = getattr(self.runner, "check", None)
+        if backend_check is not None:
+            backend_check()       # first: a timed-out kernel's garbage logits are its symptom
+        if pending is not None:
+            k, logits = pending
+            self._flag_ready.synchronize()
+            if not bool(self._flag_host):
+                self._raise_nonfinite(k, logits)
 
     def reset(self) -> None:
         """Forget every sequence (zero all state)."""
         self.runner.reset()
+        self.steps_run, self._pending = 0, None
 
     def generate(self, tokens: torch.Tensor, steps: int, start_pos: int = 0) -> torch.Tensor:
         """Greedy decoding: feed `tokens` [B], then each step's next token; returns [steps, B]."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
+            raise ValueError(f"start_pos must be a non-negative integer, got {start_pos!r}")
+        if start_pos + steps > self.max_len:
+            raise ValueError(f"start_pos + steps = {start_pos + steps} exceeds max_len {self.max_len}")
         out, cur = [], torch.as_tensor(tokens)
         for s in range(steps):
-            o = self.step(cur, torch.full((self.batch,), start_pos + s, dtype=torch.int32))
+            o = self._step(cur, torch.full((self.batch,), start_pos + s, dtype=torch.int32), check_tokens=s == 0)
             cur = o.next_tokens
             out.append(cur.cpu())
+        self.check()
         return torch.stack(out)
+
+
+def _positive(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def check_device(device) -> str:
+    """`device` as a string if it is a CPU or an available CUDA device; ValueError otherwise."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r} (have: cpu, cuda, cuda:N)") from None
+    if d.type == "cpu":
+        return str(device)
+    if d.type != "cuda":
+        raise ValueError(f"unsupported device {device!r} (have: cpu, cuda, cuda:N)")
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA device")
+    n = torch.cuda.device_count()
+    if d.index is not None and d.index >= n:
+        raise ValueError(f"no CUDA device {d.index} (have {n})")
+    return str(device)
 
 
 def compile(model, config: str | None = None, *, backend: str = "reference", batch: int = 1,
             max_len: int = 256, device: str = "cpu", precision: str = "bf16", weights=None,
-            seed: int = 0, overrides: dict | None = None) -> CompiledStep:
+            seed: int = 0, overrides: dict | None = None, allow_nonfinite: bool = False,
+            check_finite: bool = True) -> CompiledStep:
     """Build (or parse) the graph, verify it, bind weights and return a `CompiledStep`.
 
     `weights`: None (deterministic random weights from `seed`), a dict of tensors, or a path to a
-    checkpoint folder (sharded safetensors with an index).
+    checkpoint folder (sharded safetensors with an index). A NaN/Inf in a float weight or a 0xFF
+    (NaN) E8M0 scale byte in an mxfp4 weight is a ValueError naming the tensor unless
+    `allow_nonfinite`. `check_finite`: check every step's logits (see `CompiledStep`).
+    Out-of-range arguments (batch, max_len < 1, seed < 0, an unknown or absent device) are
+    ValueErrors.
     """
-    graph, module = load_graph(model, config, overrides)
-    verify_graph(graph)
+    _positive("batch", batch)
+    _positive("max_len", max_len)
+    _positive("seed", seed, 0)
+    if seed >= 2 ** 63:
+        raise ValueError(f"seed must be < 2**63, got {seed}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend '{backend}' (have: {', '.join(BACKENDS)})")
     if precision not in ("bf16", "fp32"):
         raise ValueError("precision must be bf16 or fp32")
     if backend == "cute":
-        require_cute()                   # say what to install before binding weights
+        require_cute()                   # say what to install before anything else
+    device = check_device(device)
+    if backend == "cute" and not device.startswith("cuda"):
+        raise ValueError("backend 'cute' needs device='cuda'")
+    graph, module = load_graph(model, config, overrides)
+    verify_graph(graph)
     if weights is None:
         rules = getattr(module, "WEIGHT_INIT", ()) if module else ()
         weights = random_weights(graph, seed, rules, device=device)
@@ -116,7 +236,10 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
         from fusec.checkpoint import load_checkpoint
         if module is None:
             raise ValueError("loading a checkpoint needs the model file (for its tensor names), not a .fir")
-        weights = load_checkpoint(graph, weights, module, device=device)
+        weights = load_checkpoint(graph, weights, module, device=device, allow_nonfinite=allow_nonfinite)
+    elif not allow_nonfinite:
+        check_finite_weights(weights, graph)
     dims = {"B": batch, "L": max_len}
     runner = BACKENDS[backend](graph, weights, dims, device, precision)
-    return CompiledStep(graph, runner, batch, max_len, device)
+    deferred = backend != "reference" and device.startswith("cuda")
+    return CompiledStep(graph, runner, batch, max_len, device, check_finite=check_finite, deferred=deferred)

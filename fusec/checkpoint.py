@@ -11,7 +11,8 @@ reads `x.weight_packed` / `x.weight_scale` (compressed-tensors naming).
 Loading validates everything from the shard headers before reading a byte of data, and reads
 tensor by tensor through `safe_open` (memory-mapped), so a 1.5 TB checkpoint is never held
 whole. Every problem is a `CheckpointError` with one line naming the tensor (and how many more
-problems there are). See docs/checkpoints.md.
+problems there are). Data is checked as it is read: NaN/Inf in a float tensor or a 0xFF (NaN)
+E8M0 scale byte is an error unless `allow_nonfinite=True`. See docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from safetensors.torch import save_file
 from fusec.ir.graph import Graph
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.types import MXFP4_GROUP, DType
+from fusec.weights import ALLOW_HINT, nonfinite_problem
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -164,11 +166,14 @@ def _raise(problems: list[str]) -> None:
         raise CheckpointError(problems[0] + more)
 
 
-def load_checkpoint(graph: Graph, path, model_module, device="cpu") -> dict:
+def load_checkpoint(graph: Graph, path, model_module, device="cpu", *, allow_nonfinite: bool = False) -> dict:
     """Graph weight name -> tensor (or MXFP4Tensor) read from the checkpoint at `path`.
 
     `path`: a checkpoint directory, its index json, or a single safetensors file. Tensors keep
     their stored dtype (the executor's `prepare_weights` casts for a precision).
+
+    Poison stops here: a NaN or Inf in a float tensor, or an E8M0 scale byte 0xFF (NaN) in an
+    mxfp4 tensor, is a CheckpointError naming the tensor, unless `allow_nonfinite`.
     """
     folder, wmap = _read_layout(path)
     where = os.fspath(path)
@@ -225,15 +230,24 @@ def load_checkpoint(graph: Graph, path, model_module, device="cpu") -> dict:
                 problems.append(f"{where}: tensor {s.name} has dtype {dt}, expected {ST_DTYPES[s.dtype]} "
                                 f"(graph weight {s.weight})")
         _raise(problems)
-        return _read(graph, srcs, wmap, handle, device)
+        out = _read(graph, srcs, wmap, handle, device, None if allow_nonfinite else problems)
+        if problems:
+            more = f" (and {len(problems) - 1} more poisoned tensors)" if len(problems) > 1 else ""
+            raise CheckpointError(f"{where}: {problems[0]}{more}; {ALLOW_HINT}")
+        return out
 
 
-def _read(graph: Graph, srcs: list[Source], wmap, handle, device) -> dict:
-    """Read the validated tensors; expert stacks are filled slot by slot (no second full copy)."""
+def _read(graph: Graph, srcs: list[Source], wmap, handle, device, poison: list[str] | None = None) -> dict:
+    """Read the validated tensors; expert stacks are filled slot by slot (no second full copy).
+    `poison`: where to list tensors holding NaN/Inf or 0xFF E8M0 scales (None: do not check)."""
     parts: dict[str, dict[Part, torch.Tensor]] = {}
     n_exp = {v.name: v.type.shape[0] for v in graph.weights()}
     for s in srcs:
         t = handle(wmap[s.name]).get_tensor(s.name)
+        if poison is not None:
+            p = nonfinite_problem(s.name, t, scale=s.part is Part.scale)
+            if p:
+                poison.append(f"{p} (graph weight {s.weight})")
         slot = parts.setdefault(s.weight, {})
         if s.expert is None:
             slot[s.part] = t

@@ -1,7 +1,8 @@
 """The `fusec` command line: compile, run, verify, simulate, configs, ops.
 
-Every expected failure (missing file, bad model, malformed .fir, bad checkpoint, a pass or
-verifier error) prints one line `fusec: error: ...` on stderr and exits 2; an unexpected one
+Every expected failure (a flag out of range, missing file, bad model, malformed .fir, bad or
+poisoned checkpoint, non-finite logits, a pass or verifier error) prints one line
+`fusec: error: ...` on stderr and exits 2; an unexpected one
 prints `fusec: internal error: ...` and exits 70 (FUSEC_DEBUG=1 shows the traceback).
 """
 from __future__ import annotations
@@ -12,6 +13,30 @@ import sys
 import time
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `fusec: error: ...` and exit 2, no usage block."""
+
+    def error(self, message):
+        self.exit(2, f"fusec: error: {message} (`{self.prog} -h` lists the flags)\n")
+
+
+def _int_at_least(minimum: int, what: str):
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
+        return v
+    conv.__name__ = what
+    return conv
+
+
+positive_int = _int_at_least(1, "an integer >= 1")
+nonneg_int = _int_at_least(0, "an integer >= 0")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model file (models/kimi_k3.py), .fir file, or model name")
     p.add_argument("--config", help="named config of the model file (e.g. tiny, slice4; `fusec configs MODEL` "
@@ -20,7 +45,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fusec", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="fusec", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"fusec {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
                             help="what to do (`fusec COMMAND -h` lists its flags)")
@@ -34,34 +59,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "megakernel (.py, PTX, task table, audit) in <out>/cute")
     c.add_argument("--aot", action="store_true",
                    help="with --emit cute: also the sm_90a object and C header (export_to_c)")
-    c.add_argument("--ranks", type=int, default=1, help="GPUs to shard over (tensor + expert parallel; default 1)")
-    c.add_argument("--batch", type=int, default=1,
+    c.add_argument("--ranks", type=positive_int, default=1, help="GPUs to shard over (tensor + expert parallel; default 1)")
+    c.add_argument("--batch", type=positive_int, default=1,
                    help="sequences per decode step (binds B) for the schedule and the summary (default 1)")
-    c.add_argument("--max-len", type=int, default=4096, help="cache capacity (binds L; default 4096)")
+    c.add_argument("--max-len", type=positive_int, default=4096, help="cache capacity (binds L; default 4096)")
     c.add_argument("--passes", default="default", help="pipeline (default: all passes; graph: up to shard; none) or a comma list of passes")
     c.add_argument("--print-ir-after-all", action="store_true", help="print the program after every pass")
     c.add_argument("--dump-dir", help="write every stage as re-parsable text here")
 
     r = sub.add_parser("run", help="generate tokens greedily")
     _add_model_args(r)
-    r.add_argument("--steps", type=int, default=8, help="decode steps to run (default 8)")
-    r.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt tokens (default 0)")
+    r.add_argument("--steps", type=positive_int, default=8, help="decode steps to run (default 8)")
+    r.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (default 1)")
+    r.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random weights and prompt tokens (default 0)")
     r.add_argument("--backend", default="reference", choices=["reference", "cute"],
                    help="reference: torch executor; cute: the megakernel (needs the cute extra and an sm_90 GPU)")
     r.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
                    help="arithmetic of the step: bf16 as the kernel runs it, or fp32 (default bf16)")
-    r.add_argument("--device", default="cpu", help="torch device to run on (default cpu; cuda for --backend cute)")
+    r.add_argument("--device", default=None,
+                   help="torch device to run on: cpu, cuda or cuda:N (default cpu; cuda for --backend cute)")
     r.add_argument("--weights", help="checkpoint folder (default: random weights from --seed)")
+    r.add_argument("--allow-nonfinite", action="store_true",
+                   help="load a checkpoint holding NaN/Inf or 0xFF (NaN) mxfp4 scales instead of refusing it")
 
     v = sub.add_parser("verify", help="re-check a written schedule; exit 1 on any violation")
     v.add_argument("path", help="a schedule file (.fsched) or a `fusec compile` output folder")
 
     s = sub.add_parser("simulate", help="predict decode step time and tokens/s on many GPUs")
     _add_model_args(s)
-    s.add_argument("--ranks", type=int, action="append", help="rank counts (repeatable; default 8,16,64,72)")
+    s.add_argument("--ranks", type=positive_int, action="append", help="rank counts (repeatable; default 8,16,64,72)")
     s.add_argument("--gpu", default="h200", choices=["h200", "gb300"], help="GPU to model (default h200)")
-    s.add_argument("--batch", type=int, action="append", help="batch sizes (repeatable; default 1, 8)")
+    s.add_argument("--batch", type=positive_int, action="append", help="batch sizes (repeatable; default 1, 8)")
 
     k = sub.add_parser("configs", help="list the named configs of a model file")
     k.add_argument("model", help="model file (models/kimi_k3.py) or model name")
@@ -112,9 +140,11 @@ def cmd_run(args) -> int:
     import torch
     import fusec
     from fusec.loader import parse_overrides
+    device = args.device or ("cuda" if args.backend == "cute" else "cpu")
     step = fusec.compile(args.model, args.config, backend=args.backend, batch=args.batch, seed=args.seed,
-                         max_len=max(args.steps, 1), device=args.device, precision=args.precision,
-                         weights=args.weights, overrides=parse_overrides(args.set))
+                         max_len=args.steps, device=device, precision=args.precision,
+                         weights=args.weights, overrides=parse_overrides(args.set),
+                         allow_nonfinite=args.allow_nonfinite)
     g = torch.Generator().manual_seed(args.seed)
     vocab = step.graph.outputs[0].type.shape[-1]
     tokens = torch.randint(0, vocab, (args.batch,), generator=g, dtype=torch.int32)
@@ -168,7 +198,13 @@ COMMANDS = {"compile": cmd_compile, "run": cmd_run, "verify": cmd_verify, "simul
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.cmd](args)
+        rc = COMMANDS[args.cmd](args)
+        sys.stdout.flush()    # a closed pipe shows up here, not at exit
+        return rc
+    except BrokenPipeError:   # `fusec ops | head -1`: the reader left; say nothing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141            # 128 + SIGPIPE, as a tool killed by the signal would
     except KeyboardInterrupt:
         print("fusec: interrupted", file=sys.stderr)
         return 130
@@ -190,7 +226,9 @@ def _expected_errors() -> tuple[type, ...]:
     from fusec.ir.registry import OpError
     from fusec.loader import ModelError
     from fusec.extras import MissingExtraError
-    errs = [OSError, FirSyntaxError, GraphError, OpError, ModelError, ValueError, MissingExtraError]
+    from fusec.api import NonFiniteLogits
+    errs = [OSError, FirSyntaxError, GraphError, OpError, ModelError, ValueError, MissingExtraError,
+            NonFiniteLogits]
     try:
         from fusec.passes.manager import PassError
         errs.append(PassError)

@@ -62,6 +62,63 @@ def parse_overrides(items: list[str] | None) -> dict:
     return out
 
 
+def _coerce(spec: str, key: str, value, default, int_min: int = 1):
+    """`value` for a config field whose default is `default`, checked against its type: ints are
+    integers >= `int_min`, floats finite numbers, bools true/false, tuples comma lists of integers
+    >= 0."""
+    import math
+
+    def bad(what):
+        return ModelError(f"{spec}: config override {key}={value}: {key} must be {what}")
+
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        if value < int_min:
+            raise bad(f"an integer >= {int_min}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad("a finite number")
+        return float(value)
+    if isinstance(default, str):
+        return value if isinstance(value, str) else str(value)
+    if isinstance(default, tuple):
+        items = value if isinstance(value, (tuple, list)) else \
+            [x for x in str(value).split(",") if x.strip()] if not isinstance(value, int) else [value]
+        try:
+            out = tuple(int(x) for x in items)
+        except (TypeError, ValueError):
+            raise bad("a comma list of integers") from None
+        if any(x < 0 for x in out):
+            raise bad("a comma list of integers >= 0")
+        return out
+    return value
+
+
+def check_overrides(spec: str, mod, overrides: dict | None) -> dict:
+    """`overrides` checked against the fields of the model's config (its `CONFIGS` values):
+    values of the wrong type or out of range are a ModelError naming the field."""
+    import dataclasses
+    if not overrides:
+        return overrides or {}
+    configs = getattr(mod, "CONFIGS", None)
+    base = next(iter(configs.values()), None) if isinstance(configs, dict) else None
+    if base is None or not dataclasses.is_dataclass(base):
+        return overrides
+    names = {f.name for f in dataclasses.fields(base)}
+
+    def int_min(k):   # an integer field is >= 1 unless some named config sets it lower
+        vals = [getattr(c, k, 1) for c in configs.values()]
+        return min([1] + [v for v in vals if isinstance(v, int) and not isinstance(v, bool)])
+    return {k: _coerce(spec, k, v, getattr(base, k), int_min(k)) if k in names else v
+            for k, v in overrides.items()}
+
+
 def load_graph(spec, config: str | None = None, overrides: dict | None = None) -> tuple[Graph, ModuleType | None]:
     """(graph, model module or None for .fir files and Graph objects)."""
     if isinstance(spec, Graph):
@@ -77,6 +134,7 @@ def load_graph(spec, config: str | None = None, overrides: dict | None = None) -
     build = getattr(mod, "build_graph", None)
     if not callable(build):
         raise ModelError(f"{spec}: declares no graph (expected a function build_graph(config, **overrides))")
+    overrides = check_overrides(spec, mod, overrides)
     try:
         g = build(config or getattr(mod, "DEFAULT_CONFIG", None), **(overrides or {}))
     except (ValueError, TypeError) as e:

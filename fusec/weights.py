@@ -70,3 +70,63 @@ def random_weights(graph: Graph, seed: int = 0, rules=(), device="cpu") -> dict:
             rule = "linear" if v.type.rank >= 2 else "norm"
         out[v.name] = init_weight(v.name, v.type.concrete({}), v.type.dtype, rule, seed, device)
     return out
+
+
+# -- poison checks --------------------------------------------------------------------------------
+
+E8M0_NAN = 0xFF   # the one E8M0 scale byte that is not a power of two: NaN
+
+
+def _first_index(mask: torch.Tensor) -> list[int]:
+    flat = int(torch.argmax(mask.reshape(-1).to(torch.uint8)))
+    return [int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape)] if mask.dim() else []
+
+
+def nonfinite_problem(name: str, t: torch.Tensor, *, scale: bool = False) -> str | None:
+    """One line saying how `t` is poisoned, or None when it is clean.
+
+    `scale`: `t` holds MXFP4 E8M0 scale bytes (u8), where 0xFF means NaN. Otherwise a float
+    tensor (bf16, f16, f32, fp8) is checked for NaN and +-Inf; other dtypes are never poisoned.
+    """
+    if scale:
+        bad = t == E8M0_NAN
+        n = int(bad.sum())
+        if n:
+            return (f"tensor {name} has {n} E8M0 scale byte(s) 0xFF (NaN), first at "
+                    f"{_first_index(bad)}")
+        return None
+    if not t.is_floating_point():
+        return None
+    if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        t = t.float()     # fp8 and friends: isfinite may not take them directly
+    if bool(torch.isfinite(t).all()):
+        return None
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    bad = ~torch.isfinite(t)
+    what = ", ".join(s for s in (f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else "") if s)
+    return f"tensor {name} has non-finite values ({what}), first at {_first_index(bad)}"
+
+
+ALLOW_HINT = "pass allow_nonfinite=True (--allow-nonfinite) to load it anyway"
+
+
+def check_finite_weights(weights, graph: Graph | None = None) -> None:
+    """Raise ValueError naming the first poisoned weight of `weights` (graph name -> tensor or
+    MXFP4Tensor): a NaN/Inf in a float weight or a 0xFF E8M0 scale byte in an MXFP4 weight."""
+    names = [v.name for v in graph.weights()] if graph is not None else list(weights)
+    problems = []
+    for n in names:
+        w = weights.get(n)
+        if w is None:
+            continue
+        if isinstance(w, MXFP4Tensor):
+            p = nonfinite_problem(f"{n} (scale)", w.scale, scale=True)
+        elif isinstance(w, torch.Tensor):
+            p = nonfinite_problem(n, w)
+        else:
+            p = None
+        if p:
+            problems.append(p)
+    if problems:
+        more = f" (and {len(problems) - 1} more poisoned weights)" if len(problems) > 1 else ""
+        raise ValueError(f"weight {problems[0]}{more}; {ALLOW_HINT}")

@@ -88,9 +88,25 @@ def execute(graph: Graph, weights: Mapping, state: Mapping, inputs: Mapping[str,
 
 
 def run_step(graph: Graph, weights: Mapping, state: dict, inputs: Mapping[str, torch.Tensor],
-             dims: Mapping[str, int], precision: str = "bf16", hook=None) -> list[torch.Tensor]:
-    """One decode step. Mutates `state` to the post-step values; returns the graph outputs."""
+             dims: Mapping[str, int], precision: str = "bf16", hook=None, env_out: dict | None = None
+             ) -> list[torch.Tensor]:
+    """One decode step. Mutates `state` to the post-step values; returns the graph outputs.
+    `env_out`, if given, receives every value of the step by name (see `first_nonfinite_op`)."""
     env = execute(graph, weights, state, inputs, dims, precision, hook)
+    if env_out is not None:
+        env_out.update(env)
     for name, v in graph.updates.items():
         state[name] = env[v.name]
     return [env[v.name] for v in graph.outputs]
+
+
+def first_nonfinite_op(graph: Graph, env: Mapping[str, object]):
+    """(op, value name) of the first op, in graph order, whose result holds NaN or Inf in `env`
+    (as `execute` returns it), or None. Inputs that were already non-finite (a poisoned weight or
+    state) show up as the first op that reads them."""
+    for op in graph.ops:
+        for v in op.outputs:
+            t = env.get(v.name)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return op, v.name
+    return None
