@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--passes", default="default", help="pipeline (default: all passes; graph: up to shard; none) or a comma list of passes")
     c.add_argument("--print-ir-after-all", action="store_true", help="print the program after every pass")
     c.add_argument("--dump-dir", help="write every stage as re-parsable text here")
+    c.add_argument("--trace", default="compact", choices=["compact", "full"],
+                   help="trace.json: compact (one track per 16 SMs, one event per task family, a busy-SMs "
+                        "counter) or full (one track per SM, one event per task; large for full K3)")
 
     r = sub.add_parser("run", help="generate tokens greedily")
     _add_model_args(r)
@@ -128,7 +131,7 @@ def cmd_compile(args) -> int:
     res = compile_to_dir(args.model, args.config, parse_overrides(args.set), out=args.out, emit=args.emit,
                          ranks=args.ranks, batch=args.batch, max_len=args.max_len, passes=args.passes,
                          print_ir_after_all=args.print_ir_after_all, dump_dir=args.dump_dir,
-                         aot=args.aot)
+                         aot=args.aot, trace=args.trace)
     print(res.summary)
     for p in res.written:
         print(f"wrote {p}")

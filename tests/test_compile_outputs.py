@@ -35,6 +35,17 @@ def test_trace_is_chrome_trace_with_a_track_per_sm_and_rank(out_r2):
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in tasks)
 
 
+def test_trace_full_has_one_event_per_task_and_sm(tmp_path):
+    out = tmp_path / "full"
+    assert main(["compile", "models/kimi_k3.py", "--config", "tiny", "--max-len", "64", "--trace", "full",
+                 "-o", str(out)]) == 0
+    sched = parse_schedule_file(out / "schedule.fsched")
+    tr = json.loads((out / "trace.json").read_text())
+    tasks = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert len(tasks) == len(sched.tasks)
+    assert {e["tid"] for e in tasks} == {sm for (_, sm) in sched.queues}
+
+
 def test_verify_accepts_the_written_schedule_and_rejects_a_planted_bug(out_r2, tmp_path, capsys):
     path = out_r2 / "schedule.fsched"
     assert main(["verify", str(path)]) == 0
