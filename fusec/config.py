@@ -6,7 +6,6 @@ Environment variables (read once per call of `Options.from_env`):
                        after every pass (tests build `Options` directly, where verifying after
                        every pass is the default)
   FUSEC_SMS            SMs per GPU for scheduling (default 132, an H200)
-  FUSEC_CUTE_ARCH      GPU arch for the CuTe backend (default sm_90a)
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ class Options:
     print_ir_after_all: bool = False
     dump_dir: str | None = None
     log: frozenset[str] = field(default_factory=frozenset)
-    cute_arch: str = "sm_90a"
 
     @staticmethod
     def from_env(**overrides) -> "Options":
@@ -36,7 +34,6 @@ class Options:
             log=frozenset(x for x in env.get("FUSEC_LOG", "").split(",") if x),
             verify_each_pass=env.get("FUSEC_VERIFY", "end") == "each",
             sms=int(env.get("FUSEC_SMS", "132")),
-            cute_arch=env.get("FUSEC_CUTE_ARCH", "sm_90a"),
         )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return Options(**base)

@@ -41,20 +41,3 @@ class MXFP4Tensor:
         s = torch.exp2(self.scale.to(torch.float32) - 127.0)
         val = val.unflatten(-1, (-1, MXFP4_GROUP)) * s[..., None]
         return val.flatten(-2).to(dtype)
-
-
-def quantize_mxfp4(w: torch.Tensor) -> MXFP4Tensor:
-    """Round a float tensor [..., N, K] to MXFP4 (nearest E2M1 value after a power-of-two scale)."""
-    w = w.to(torch.float32)
-    g = w.unflatten(-1, (-1, MXFP4_GROUP))
-    amax = g.abs().amax(-1).clamp_min(2.0 ** -126)
-    e = torch.floor(torch.log2(amax)) - 2  # largest magnitude lands in [4, 8): 6 is the top value
-    e = e.clamp(-127, 127)
-    scaled = g / torch.exp2(e)[..., None]
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
-    idx = (scaled.abs()[..., None] - table).abs().argmin(-1)
-    nib = idx | ((scaled < 0).to(torch.int64) << 3)
-    nib = nib.flatten(-2)
-    packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
-    scale = (e + 127).to(torch.uint8)
-    return MXFP4Tensor(packed, scale)

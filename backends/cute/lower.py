@@ -32,7 +32,6 @@ from .memory import MemoryPlan, View, build_memory_plan
 from .prefetch import add_weight_prefetch, check_prefetch
 from .plan import (H200_SMS, NO_EVENT, EwOp, F32Flag, KernelPlan, Opcode, TaskRow, f32_bits, f32_pair)
 
-ADDR_FIELDS = ("a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7")
 # Ops that are views in the memory plan: no task row.
 VIEW_OPS = ("slice", "reshape")
 # IR op -> EW sub-opcode for the two-operand / one-operand elementwise epilogues.

@@ -10,7 +10,6 @@ from ..types import DType
 from ._util import dtype_attr, f32, need, need_dim, need_dtype, need_rank
 
 A = AttrKind
-FLOATS = (DType.bf16, DType.f16, DType.f32)
 
 
 def situ_glu_math(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
