@@ -1,20 +1,28 @@
-"""Shared timing helper of the GPU benchmark scripts (imported from their own folder)."""
+"""Shared timing helper of the benchmark scripts (imported from their own folder)."""
 from __future__ import annotations
 
+import time
 
-def median_us(fn, reps: int) -> float:
-    """Median wall time of `fn()` on the current CUDA stream over `reps` runs (CUDA events), after
-    one warm-up run."""
+
+def median_us(fn, reps: int, cuda: bool = True) -> float:
+    """Median time of `fn()` over `reps` calls after one warm-up, in microseconds: CUDA events
+    around each call on the current stream with a sync after it (cuda=False: wall clock)."""
     import torch
 
     fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
     return sorted(ts)[len(ts) // 2]

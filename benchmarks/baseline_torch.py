@@ -72,6 +72,9 @@ MOE_IMPLS = ("grouped", "dense", "gather", "dequant")
 MX_GROUP = 32
 
 
+# situ_glu and rms restate the model's math here on purpose (the registry has the same formulas,
+# ir/ops/core.py): the baseline is written from the model card, not from fusec's code, so a
+# mistake in fusec's registry cannot cancel out in the comparison.
 def situ_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """SiTU-GLU in fp32: (4 tanh(g/4) sigmoid(g)) * (25 tanh(u/25))."""
     g, u = g.float(), u.float()

@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baseline_torch as bt  # noqa: E402  (benchmarks/baseline_torch.py)
+from _timing import median_us  # noqa: E402  (benchmarks/_timing.py)
 
 import fusec  # noqa: E402
 from fusec.loader import load_graph, parse_overrides  # noqa: E402
@@ -151,28 +152,6 @@ def cute_route_ids(run, graph) -> dict:
 
 
 # -- timing ------------------------------------------------------------------------------------
-def median_us(fn, reps: int, cuda: bool) -> float:
-    """Median time of fn() over `reps` calls after one warm-up: CUDA events around each call on
-    the current stream with a sync after it (on the CPU: wall clock)."""
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        if cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e6)
-    return sorted(ts)[len(ts) // 2]
-
-
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])

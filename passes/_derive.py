@@ -26,7 +26,7 @@ from fusec.ir.schedule import InstrKind, Region, Schedule
 from fusec.ir.types import Kind
 
 from ._lowering import COLLECTIVES, _anchor_kind, _op_box
-from ._regions import full_box, input_boxes, out_boxes
+from ._regions import box_hull, full_box, input_boxes, out_boxes
 
 
 def _v(rule, task, message, region="", wait=""):
@@ -325,9 +325,7 @@ class Derived:
             for i, ((vn, made, sto), bx) in enumerate(zip(ins, input_boxes(ctx, o, ob, o is anchor))):
                 if made or bx is None:
                     continue
-                old = loads.get(vn)
-                loads[vn] = bx if old is None or old == bx else tuple(
-                    (min(a0, b0), max(a1, b1)) for (a0, a1), (b0, b1) in zip(old, bx))
+                loads[vn] = box_hull(loads.get(vn), bx)
                 if ab:
                     src = ab.get(i)
                     if src is not None:

@@ -20,7 +20,7 @@ from fusec.ir.registry import Trait
 from fusec.ir.schedule import Instr, InstrKind, Region, Task
 from fusec.ir.types import Kind, TensorType
 
-from ._regions import EXPERT_OPS, HEADWISE, full_box, input_boxes, out_boxes
+from ._regions import EXPERT_OPS, HEADWISE, box_hull, full_box, input_boxes, out_boxes
 
 COMPUTE = Instr(InstrKind.COMPUTE)
 MIN_TASK_BYTES = 128 * 1024     # a task streams at least this much (~4 us at its share vs 1.5 us overhead)
@@ -345,10 +345,7 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                 vn = v.name
                 if vn in produced_here or bx is None:
                     continue
-                old = loads.get(vn)
-                # the union (hull) of the boxes this tile reads of one value
-                loads[vn] = bx if old is None or old == bx else tuple(
-                    (min(a0, b0), max(a1, b1)) for (a0, a1), (b0, b1) in zip(old, bx))
+                loads[vn] = box_hull(loads.get(vn), bx)
                 if ab:
                     src = ab.get(i)
                     if src is not None:

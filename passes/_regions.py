@@ -17,6 +17,14 @@ def full_box(shape) -> tuple[tuple[int, int], ...]:
 
 
 
+def box_hull(old, bx):
+    """The smallest box holding both (old may be None): one LOAD per value a tile reads, covering
+    every box its ops read of it."""
+    if old is None or old == bx:
+        return bx
+    return tuple((min(a0, b0), max(a1, b1)) for (a0, a1), (b0, b1) in zip(old, bx))
+
+
 def input_boxes(ctx, op: Op, obox, anchor: bool):
     """Boxes of `op`'s inputs needed to compute `obox` of its first output."""
     sh = [ctx.shape[v.name] for v in op.inputs]

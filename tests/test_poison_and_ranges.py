@@ -327,16 +327,15 @@ def test_in_range_still_runs(tiny_step, capsys):
     assert "step 0:" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_deferred_nonfinite_check_on_cuda(clean):
-    """The check a non-reference CUDA backend gets: no host sync in the step; the next step (or
-    check()) raises, naming the step that produced the non-finite logits."""
+def _deferred_check(clean, device):
+    """A poisoned lm_head under the deferred check: the step returns (the check is pending), the
+    next step (or check()) raises naming the step; a clean model generates."""
     from fusec.api import CompiledStep
     g, w = clean
     pw = _clone(w)
     pw["lm_head.weight"][5, 0] = NAN
-    ref = fusec.compile(K3, "tiny", weights=pw, allow_nonfinite=True, device="cuda", max_len=4)
-    step = CompiledStep(ref.graph, ref.runner, 1, 4, "cuda", deferred=True)
+    ref = fusec.compile(K3, "tiny", weights=pw, allow_nonfinite=True, device=device, max_len=4)
+    step = CompiledStep(ref.graph, ref.runner, 1, 4, device, deferred=True)
     out = step.step(torch.tensor([3]), torch.tensor([0]))          # returns: the check is pending
     assert not torch.isfinite(out.logits).all()
     with pytest.raises(NonFiniteLogits, match=r"^step 0: non-finite logits in batch row\(s\) \[0\]"):
@@ -345,14 +344,19 @@ def test_deferred_nonfinite_check_on_cuda(clean):
     step.step(torch.tensor([3]), torch.tensor([0]))
     with pytest.raises(NonFiniteLogits, match=r"^step 0: "):
         step.check()
-    clean_step = CompiledStep(ref.graph, fusec.compile(K3, "tiny", weights=_clone(w), device="cuda",
-                                                       max_len=4).runner, 1, 4, "cuda", deferred=True)
-    assert clean_step.generate(torch.tensor([3]), 4).shape == (4, 1)
+    ok = fusec.compile(K3, "tiny", weights=_clone(w), device=device, max_len=4)
+    ok_step = CompiledStep(ok.graph, ok.runner, 1, 4, device, deferred=True)
+    assert ok_step.generate(torch.tensor([3]), 4).shape == (4, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_deferred_nonfinite_check_on_cuda(clean):
+    """The check a non-reference CUDA backend gets: no host sync in the step."""
+    _deferred_check(clean, "cuda")
 
 
 def test_deferred_nonfinite_check_logic_on_cpu(clean, monkeypatch):
     """The deferred bookkeeping of the CUDA path, with the pinned copy and event faked on the CPU."""
-    from fusec.api import CompiledStep
 
     class Event:
         def record(self):
@@ -362,22 +366,7 @@ def test_deferred_nonfinite_check_logic_on_cpu(clean, monkeypatch):
             pass
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone())
-    g, w = clean
-    pw = _clone(w)
-    pw["lm_head.weight"][5, 0] = NAN
-    ref = fusec.compile(K3, "tiny", weights=pw, allow_nonfinite=True, max_len=4)
-    step = CompiledStep(ref.graph, ref.runner, 1, 4, "cpu", deferred=True)
-    out = step.step(torch.tensor([3]), torch.tensor([0]))          # returns: the check is pending
-    assert not torch.isfinite(out.logits).all()
-    with pytest.raises(NonFiniteLogits, match=r"^step 0: non-finite logits in batch row\(s\) \[0\]"):
-        step.step(torch.tensor([3]), torch.tensor([1]))
-    step.reset()
-    step.step(torch.tensor([3]), torch.tensor([0]))
-    with pytest.raises(NonFiniteLogits, match=r"^step 0: "):
-        step.check()
-    ok = fusec.compile(K3, "tiny", weights=_clone(w), max_len=4)
-    ok_step = CompiledStep(ok.graph, ok.runner, 1, 4, "cpu", deferred=True)
-    assert ok_step.generate(torch.tensor([3]), 4).shape == (4, 1)
+    _deferred_check(clean, "cpu")
 
 
 def test_set_checks_types_against_the_model_config(tmp_path, capsys):
