@@ -135,7 +135,8 @@ def bodies(batch: int, gen: torch.Generator, quick: bool, reps: int) -> None:
     srcs = r(9, batch, hid).to(BF)
     nw, pw, gam = (1 + 0.1 * r(hid)).to(BF), (0.05 * r(1, hid)).to(BF), (1 + 0.1 * r(hid)).to(BF)
     ah, ay = torch.empty(batch, hid, device=dev, dtype=BF), torch.empty(batch, hid, device=dev, dtype=BF)
-    tasks["ATTN_RES+rms_norm"] = wl.attn_res_tasks(srcs, nw, pw, gam, ah, ay, 1e-5, 1e-5, 600)
+    ptrs = torch.zeros(len(srcs), dtype=torch.int64, device=dev)   # kept alive with the plan
+    tasks["ATTN_RES+rms_norm"] = wl.attn_res_tasks(srcs, nw, pw, gam, ah, ay, 1e-5, 1e-5, 600, ptrs=ptrs)
     ah_ref = lambda: ref("attn_res", (nw, pw, *srcs), eps=1e-5)[0]  # noqa: E731
     checks.append(("ATTN_RES h", ah, ah_ref))
     checks.append(("ATTN_RES+rms_norm", ay, lambda: ref("rms_norm", (ah_ref().to(BF), gam), eps=1e-5,

@@ -5,6 +5,8 @@
 # shadow the installed package). Logs go to $OUT (the device tool brings them back).
 #
 #   bash benchmarks/h200_session.sh speed model-k3 model-small tests compile
+#   SPEED_CONFIG=slice4-e128 bash benchmarks/h200_session.sh ratio      # benchmarks/speed.py, fusec vs the baseline
+#   MODEL_CASES=kimi_k3:tiny MODEL_BATCHES=1,16 bash benchmarks/h200_session.sh bodies model
 set -u
 [ -f .gpu-bundle/part2/install.sh ] && { bash .gpu-bundle/part2/install.sh || exit 3; }
 export PYTHONPATH=/tmp/fusec-pkg:/tmp/fusec-site:/tmp/fusec-site/nvidia_cutlass_dsl/dsl_packages
@@ -28,6 +30,12 @@ for stage in "$@"; do
     gemv) timeout 400 python3 benchmarks/gemv_megakernel.py 2>&1 | grep -v Warn > "$OUT/gemv.log"; tail -40 "$OUT/gemv.log" ;;
     compile) for b in 4 16; do echo "B=$b"; timeout 300 python3 benchmarks/reference_compile.py --batch $b 2>&1 \
                | grep -v -i warn; done | tee "$OUT/reference_compile.log" ;;
+    ratio) timeout 580 python3 benchmarks/speed.py --config ${SPEED_CONFIG:-slice4-e128} --batches ${SPEED_BATCHES:-1,4,16} \
+             --rounds ${SPEED_ROUNDS:-5} --json "$OUT/speed.json" 2>&1 | grep -v Warn | tee "$OUT/ratio.log" | tail -24 ;;
+    bodies) timeout 300 python3 -m pytest -q -rP -m gpu tests/gpu/test_cute_bodies.py -p no:warnings > "$OUT/pytest_bodies.log" 2>&1
+            grep -E "passed|failed|error|Error" "$OUT/pytest_bodies.log" | tail -20 ;;
+    model) timeout 540 python3 benchmarks/cute_model.py --cases ${MODEL_CASES:-kimi_k3:tiny} --batches ${MODEL_BATCHES:-1,4,16} \
+             --delay-cases ${MODEL_DELAY:-none} 2>&1 | grep -v Warning > "$OUT/model.log"; tail -14 "$OUT/model.log" ;;
     *) echo "unknown stage $stage (gemv, speed, model-k3, model-small, tests, compile)"; exit 2 ;;
   esac
 done

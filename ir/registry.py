@@ -23,6 +23,9 @@ class Trait(enum.Enum):
     collective = "collective"        # moves data between ranks
     stateful = "stateful"            # updates a state parameter in place
     attention = "attention"          # reads a cache over the sequence
+    # batch row b of every output depends only on row b of the batch-major operands (weights
+    # whole): the tile pass may cut such a unit along the batch, one task per token
+    tokenwise = "tokenwise"
 
 
 class AttrKind(enum.Enum):

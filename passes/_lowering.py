@@ -192,8 +192,15 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
     fb = full_box(s)
     if anchor is None:
         body = ops[0].opname if len(ops) == 1 else "fused_" + ops[0].opname
-        elementwise = all(Trait.elementwise in o.opdef.traits and o.opname not in ("reshape", "slice", "concat")
+        # slices are views: a slice of the tile's box feeds the elementwise op (gate and up
+        # halves of a merged projection)
+        elementwise = all(Trait.elementwise in o.opdef.traits and o.opname not in ("reshape", "concat")
                           and ctx.shape[o.outputs[0].name] == s for o in ops)
+        if s and not elementwise and s[0] == ctx.dims.get("B") and \
+                all(Trait.tokenwise in o.opdef.traits for o in ops):
+            # per-token work (AttnRes + norm, router, argmax): one task per batch row, so a
+            # batch of 16 does not run on one SM while the others wait
+            return [((b0, b1),) + fb[1:] for b0, b1 in splits(s[0], min(ctx.sms, s[0]))], body
         if not elementwise or not s:
             return [None], body          # one task; every op computes its whole output
         nb = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs)
@@ -279,9 +286,33 @@ def _partition(ctx: _Ctx, ops: list[Op]) -> list[tuple[list[Op], list[Op], Op | 
                     f"{anchor.opname} tile ({why}): it and the rest of the group form a new unit")
             break
     res.append((pro, [anchor], anchor, epi))
-    if rest:
-        res.extend(_partition(ctx, rest))
+    # The rest splits where its ops do not feed each other: a router and the shared expert's
+    # SiTU-GLU that follow one merged projection are separate units (the GLU then spreads over
+    # the SMs instead of running on the router's one task).
+    for part in _connected(rest):
+        res.extend(_partition(ctx, part))
     return res
+
+
+def _connected(ops: list[Op]) -> list[list[Op]]:
+    """`ops` split into the groups linked by values made among them, each in program order."""
+    root = list(range(len(ops)))
+
+    def find(i):
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    made = {v.name: i for i, o in enumerate(ops) for v in o.outputs}
+    for i, o in enumerate(ops):
+        for v in o.inputs:
+            if v.name in made:
+                root[find(i)] = find(made[v.name])
+    parts: dict[int, list[Op]] = {}
+    for i, o in enumerate(ops):
+        parts.setdefault(find(i), []).append(o)
+    return sorted(parts.values(), key=lambda p: ops.index(p[0]))
 
 
 def _op_box(ctx: _Ctx, o: Op, boxes: dict, tile) -> tuple | None:

@@ -5,6 +5,8 @@ output given the first one's. Used by the `tile` pass's lowering (`_lowering.py`
 from __future__ import annotations
 
 from fusec.ir.graph import Op
+from fusec.ir.registry import Trait
+from fusec.ir.types import Kind
 from fusec.ir.ops.mixers import chunk_rows
 
 EXPERT_OPS = {"moe_gate_up", "moe_down"}
@@ -76,6 +78,14 @@ def input_boxes(ctx, op: Op, obox, anchor: bool):
         return [obox, (obox[0], obox[1], full[1][2]), (obox[1], full[2][1], full[2][2])]
     if name == "embedding":
         return [(full[0][0], obox[-1]), full[1]]
+    if name == "slice":                             # the same box, shifted along the sliced dim
+        d = op.attrs["dim"] % len(out)
+        st = op.attrs["start"]
+        return [tuple((a + st, b + st) if i == d else (a, b) for i, (a, b) in enumerate(obox))]
+    if Trait.tokenwise in op.opdef.traits:          # rows of obox: the same rows of batch-major inputs
+        return [obox if tuple(s) == tuple(out) else
+                f if not s or ctx.kind[v.name] is Kind.weight else ((obox[0],) + tuple(f[1:]))
+                for v, s, f in zip(op.inputs, sh, full)]
     # elementwise-like: same-shape operands take the box; vectors along the last dim its range
     res = []
     for s, f in zip(sh, full):

@@ -44,7 +44,8 @@ class Interp:
         self.events = [0] * max(1, plan.num_events)
         self.step = 0
         self.typed = {torch.bfloat16: arena.view(torch.bfloat16), torch.float32: arena.view(torch.float32),
-                      torch.int32: arena.view(torch.int32), torch.uint8: arena}
+                      torch.int32: arena.view(torch.int32), torch.int64: arena.view(torch.int64),
+                      torch.uint8: arena}
 
     # -- memory -------------------------------------------------------------------------------
     def t(self, addr: int, dtype, shape, strides):
@@ -138,7 +139,8 @@ class Interp:
         elif op == Opcode.ATTN_RES:
             J, H = r.p1, r.k
             for b in range(r.n0, r.n1):
-                src = [self.mat(r.a0 + 2 * j * r.p0, B, H, r.ldx)[b:b + 1] for j in range(J)]
+                rel = self.t(r.a0, torch.int64, (J,), (1,)).tolist()   # byte distances from A0
+                src = [self.mat(r.a0 + rel[j], B, H, r.ldx)[b:b + 1] for j in range(J)]
                 nw = self.t(r.a1, torch.bfloat16, (H,), (1,))
                 pw = self.t(r.a5, torch.bfloat16, (1, H), (H, 1))
                 hmix = get_op("attn_res").ref([nw, pw, *src], {"eps": _f32_lo(r.aux)})[0].to(torch.bfloat16)

@@ -168,11 +168,15 @@ def fill_consts(low: Lowered, bound, weights: dict) -> None:
     """Write the attribute tables and derived weight layouts into a bound arena.
 
     `weights`: the lowered graph's weights (reference.ranks.materialize_weights)."""
+    import torch
+
     from fusec.ir.ops.mixers import rope_inv_freq
 
     for key, spec in low.consts.items():
         if spec[0] == "rope_inv_freq":
             bound.tensor(key).copy_(rope_inv_freq(spec[1]))
+        elif spec[0] == "rel_ptrs":   # byte distances from the table to each source (ATTN_RES)
+            bound.tensor(key).copy_(torch.tensor(spec[1], dtype=torch.int64))
         elif spec[0] == "mla_uk_t":   # W_UK^T per head: [H, kv_lora, nope] from kv_b [H*(nope+v), kv_lora]
             at = spec[2]
             h, nope, vd = int(at["heads"]), int(at["nope"]), int(at["v_dim"])
@@ -267,11 +271,13 @@ class _TaskLowering(K3Lowering):
         ins = [v.name for v in op.inputs]
         off = lambda n: self._off(n, redirect)  # noqa: E731
         view = lambda n: self._v(n, redirect)   # noqa: E731
-        b0, b1 = t.tile[0] if len(t.tile) > 1 or kind == "argmax" else (0, self.B)
+        b0, b1 = self._rows(t)
         if kind == "rms_norm":
             if anchor is not None and anchor.inputs[0].name == out:
                 redirect[out] = _scratch_name(t, out)
             if view(ins[0]).dtype is DType.f32:   # RMSNORM streams bf16: fp32 input -> EW RMS (one head)
+                if (b0, b1) != (0, self.B):
+                    raise self.error(f"rms_norm %{out} of fp32 on batch rows {b0}:{b1}: EW RMS runs every row")
                 x, o, gm = view(ins[0]), view(out), view(ins[1])
                 k = x.shape[-1]
                 return [(TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a2=off(out), a3=off(ins[1]), n0=0, n1=k,
@@ -282,7 +288,7 @@ class _TaskLowering(K3Lowering):
             self._need_bf16(op, [ins[0], ins[1], out], redirect)
             x, o = view(ins[0]), view(out)
             return pre + [(TaskRow(Opcode.RMSNORM, t.id, a0=off(ins[0]), a1=off(ins[1]), a2=off(out),
-                             n0=0, n1=self.B, k=x.shape[-1], ldx=x.row_stride, ldy=o.row_stride,
+                             n0=b0, n1=b1, k=x.shape[-1], ldx=x.row_stride, ldy=o.row_stride,
                              aux=f32_bits(float(op.attrs.get("eps", 1e-5)))), ("a0", "a1", "a2"))]
         if kind == "linear":
             self._need_bf16(op, [ins[0], ins[1]], redirect)

@@ -2,8 +2,9 @@
 
 Each method returns [(TaskRow, address fields)] for one op of one task, like lower._op_rows.
 Layout adaptations the bodies need are made here with per-task scratch (never shared values):
-  attn_res        its sources are copied (EW COPY) into a [J, B, H] stack, then ATTN_RES (fused
-                  with the task's rms_norm); the body wants equally strided sources
+  attn_res        ATTN_RES (fused with the task's rms_norm) over the task's batch rows, reading the
+                  sources in place through a table of byte distances (const rel_ptrs); sources of
+                  mixed dtype or row stride are first copied (EW COPY) into a bf16 stack
   kda_recurrent   one KDA row per batch row (items b * H + h are contiguous only within a row);
                   fp32 beta flagged in P1
   moe_gate_up / moe_down  one EXPERT row (GLU / DOWN) per slot of the task's (batch rows, slots,
@@ -85,7 +86,7 @@ class K3Lowering:
                              ldy=ids.row_stride, p0=int(at["topk"]),
                              p1=int(F32Flag.A0) if lg.dtype is DType.f32 else 0,
                              aux=f32_pair(float(at.get("scale", 1.0)))), ("a0", "a1", "a2", "a3"))
-                    for b in range(self.B)]
+                    for b in range(*self._rows(t))]
         if kind == "kda_recurrent":
             q, k, v, g, beta, state = ins
             h, d = int(at["heads"]), int(at["head_dim"])
@@ -175,11 +176,18 @@ class K3Lowering:
         raise self.error(f"no megakernel task body for op '{kind}' (%{out})")
 
     # -- helpers ------------------------------------------------------------------------------
+    def _rows(self, t) -> tuple[int, int]:
+        """The task's batch rows (the tile's first range; a 1-D tile is over the batch)."""
+        return tuple(t.tile[0]) if t.tile else (0, self.B)
+
     def _heads_aligned(self, op, cols, d):
         if cols[0] % d or cols[1] % d:
             raise self.error(f"{op.opname} %{op.outputs[0].name}: tile {cols} splits a head of {d}")
 
     def _attn_res(self, t, op, redirect):
+        """ATTN_RES rows for the task's batch rows. The body reads each source where it was
+        written, through a per-task table of byte distances (const `rel_ptrs`); only when the
+        sources differ in dtype or row stride are they first copied into a bf16 stack."""
         off = lambda n: self._off(n, redirect)  # noqa: E731
         names = set(t.ops)
         norm = next((o for o in self.s.graph.ops if o.opname == "rms_norm" and o.outputs[0].name in names
@@ -189,22 +197,31 @@ class K3Lowering:
         srcs = [v.name for v in op.inputs[2:]]
         hv = self._v(op.outputs[0].name, redirect)
         H = hv.shape[-1]
-        stack = self._scratch(f"scratch.t{t.id}.{op.outputs[0].name}.stack", DType.bf16, (len(srcs), self.B, H))
-        base = self.mem.byte_offset(stack)
+        b0, b1 = self._rows(t)
+        views = [self._v(n, redirect) for n in srcs]
         rows = []
-        for j, n in enumerate(srcs):
-            rows += self._copy_rows(t, off(n), self._v(n, redirect), base + 2 * j * self.B * H, H, DType.bf16, H)
+        if all(v.dtype is DType.bf16 and v.row_stride == views[0].row_stride for v in views):
+            addrs, ldx = [off(n) for n in srcs], views[0].row_stride
+        else:
+            stack = self._scratch(f"scratch.t{t.id}.{op.outputs[0].name}.stack", DType.bf16, (len(srcs), self.B, H))
+            base = self.mem.byte_offset(stack)
+            addrs, ldx = [base + 2 * j * self.B * H for j in range(len(srcs))], H
+            for j, n in enumerate(srcs):
+                rows += self._copy_rows(t, off(n), views[j], addrs[j], H, DType.bf16, H)
+        table = self._const(f"const.attn_res_ptrs.t{t.id}.{op.outputs[0].name}", ("rel_ptrs", ()),
+                            DType.i64, (len(srcs),))
+        ta = self.mem.byte_offset(table)
+        self.consts[table] = ("rel_ptrs", tuple(a - ta for a in addrs))
         y = norm.outputs[0].name
         self.done.add(y)
         if self._v(y, redirect).row_stride != hv.row_stride:
             raise self.error(f"attn_res %{op.outputs[0].name}: mix and norm outputs need one row stride")
         aux = f32_pair(float(op.attrs.get("eps", 1e-5)), float(norm.attrs.get("eps", 1e-5)))
-        for b in range(self.B):
-            rows.append((TaskRow(Opcode.ATTN_RES, t.id, a0=base, a1=off(op.inputs[0].name),
-                                 a5=off(op.inputs[1].name), a6=off(norm.inputs[1].name),
-                                 a2=off(op.outputs[0].name), a7=off(y), n0=b, n1=b + 1, k=H, ldx=H,
-                                 ldy=hv.row_stride, p0=self.B * H, p1=len(srcs), aux=aux),
-                         ("a0", "a1", "a2", "a5", "a6", "a7")))
+        rows.append((TaskRow(Opcode.ATTN_RES, t.id, a0=ta, a1=off(op.inputs[0].name),
+                             a5=off(op.inputs[1].name), a6=off(norm.inputs[1].name),
+                             a2=off(op.outputs[0].name), a7=off(y), n0=b0, n1=b1, k=H, ldx=ldx,
+                             ldy=hv.row_stride, p1=len(srcs), aux=aux),
+                     ("a0", "a1", "a2", "a5", "a6", "a7")))
         return rows
 
     def _expert(self, t, op, redirect):

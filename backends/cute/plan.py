@@ -151,9 +151,10 @@ class Opcode(enum.IntEnum):
                at A3 updated in place, S <- diag(exp g) S; u = v - k^T S; S += beta k u^T;
                o = q^T S. q = A0, k = A1, v = A5 (bf16 [B, LDX]), g = A6 fp32 [B, LDX],
                beta = A4 bf16 [B, H] (fp32 when P1 has F32Flag.A0), o = A2 fp32 [B, LDY].
-    ATTN_RES   attn_res mix fused with the next rms_norm, one CTA per batch row b in N0..N1:
-               sources j < P1 (<= ATTN_RES_MAX_SOURCES) at A0 + j * P0 elements, rows [B, LDX]
-               bf16 of width K; key = norm_w (A1) * proj_w (A5); softmax_j(rms(V_j) . key),
+    ATTN_RES   attn_res mix fused with the next rms_norm, batch rows b in N0..N1 in turn:
+               sources j < P1 (<= ATTN_RES_MAX_SOURCES) at A0 + int64 A0[j] bytes (A0 is a table
+               of byte distances from itself, so it needs no relocation), rows [B, LDX] bf16 of
+               width K; key = norm_w (A1) * proj_w (A5); softmax_j(rms(V_j) . key),
                h = sum_j p_j V_j -> A2 bf16 [B, LDY]; rms_norm(h) * gamma (A6) -> A7 bf16
                [B, LDY]; AUX = f32_pair(attn_res eps, rms_norm eps).
     MLA        absorbed MLA, split sequence (`MlaMode` in SUB). PARTIAL (mla_attention_partial):
@@ -402,9 +403,9 @@ class KernelPlan:
             if t.opcode == Opcode.ATTN_RES and t.k > 8 * ATTN_RES_VECS * self.threads:
                 raise ValueError(f"task {t.task_id}: ATTN_RES width {t.k} > {8 * ATTN_RES_VECS * self.threads} "
                                  f"(8 x ATTN_RES_VECS x threads)")
-            if t.opcode == Opcode.ATTN_RES and (t.k % 8 or t.ldx % 8 or t.ldy % 8 or t.p0 % 8):
-                raise ValueError(f"task {t.task_id}: ATTN_RES needs width, row and source strides "
-                                 "multiples of 8 (16-byte rows)")
+            if t.opcode == Opcode.ATTN_RES and (t.k % 8 or t.ldx % 8 or t.ldy % 8 or t.a0 % 8):
+                raise ValueError(f"task {t.task_id}: ATTN_RES needs width and row strides multiples of 8 "
+                                 "(16-byte rows) and an 8-byte aligned source table")
             if t.opcode == Opcode.ARGMAX and t.ldx % 8:
                 raise ValueError(f"task {t.task_id}: ARGMAX needs a row stride multiple of 8 (16-byte rows)")
             if t.opcode == Opcode.ATTENTION and not (0 < t.k <= ATTN_MAX_HEAD_DIM and t.k % 32 == 0):

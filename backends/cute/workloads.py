@@ -168,14 +168,22 @@ def kda_tasks(q, k, v, g, beta, state, o, heads_per_task: int, first_id: int = 0
 
 
 def attn_res_tasks(sources, norm_w, proj_w, gamma, h, y, eps_mix: float, eps_out: float,
-                   first_id: int = 0, *, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
-    """attn_res + rms_norm, one task (CTA) per batch row: sources bf16 [J, B, H] in one buffer
-    (the scheduler's memory plan stacks the block outputs), norm_w, proj_w [H] (or [1, H]), gamma
-    [H] bf16; h = the mix, y = rms_norm(h) * gamma, both bf16 [B, H]."""
-    j, b, hw = sources.shape
-    return [TaskRow(Opcode.ATTN_RES, first_id + r, a0=sources.data_ptr(), a1=norm_w.data_ptr(),
+                   first_id: int = 0, *, ptrs=None, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> list[TaskRow]:
+    """attn_res + rms_norm, one task (CTA) per batch row: sources bf16 [B, H] each (a list, or a
+    stacked [J, B, H]) with one row stride, norm_w, proj_w [H] (or [1, H]), gamma [H] bf16; h =
+    the mix, y = rms_norm(h) * gamma, both bf16 [B, H]. `ptrs`: an int64 [J] tensor on the
+    device that receives the body's source table (byte distances from itself); the caller keeps
+    it alive while the plan runs."""
+    import torch
+
+    srcs = list(sources)
+    j, (b, hw) = len(srcs), srcs[0].shape
+    if ptrs is None or ptrs.dtype != torch.int64 or ptrs.numel() < j:
+        raise ValueError("attn_res_tasks: pass ptrs, an int64 tensor of at least len(sources) entries")
+    ptrs[:j].copy_(torch.tensor([s.data_ptr() - ptrs.data_ptr() for s in srcs], dtype=torch.int64))
+    return [TaskRow(Opcode.ATTN_RES, first_id + r, a0=ptrs.data_ptr(), a1=norm_w.data_ptr(),
                     a5=proj_w.data_ptr(), a6=gamma.data_ptr(), a2=h.data_ptr(), a7=y.data_ptr(),
-                    n0=r, n1=r + 1, k=hw, ldx=sources.stride(1), ldy=h.stride(0), p0=sources.stride(0),
+                    n0=r, n1=r + 1, k=hw, ldx=srcs[0].stride(0), ldy=h.stride(0),
                     p1=j, aux=f32_pair(eps_mix, eps_out), **_wait_kw(wait, signal))
             for r in range(b)]
 

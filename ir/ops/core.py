@@ -77,7 +77,7 @@ def _rms_infer(ts, at):
 register(OpDef("rms_norm", ("x", "w"), ("y",), _rms_infer,
                lambda a, at: [rms_norm_math(a[0], a[1], at["eps"])],
                attrs={"eps": Attr(A.float, 1e-5), "out_dtype": Attr(A.str, "")},
-               traits=frozenset({Trait.rowwise, Trait.prologue})))
+               traits=frozenset({Trait.rowwise, Trait.prologue, Trait.tokenwise})))
 
 
 def _grms_infer(ts, at):
@@ -243,7 +243,7 @@ def _attn_res_ref(a, at):
 
 
 register(OpDef("attn_res", ("norm_w", "proj_w", "*sources"), ("h",), _attn_res_infer, _attn_res_ref,
-               attrs={"eps": Attr(A.float, 1e-5)}, traits=frozenset({Trait.prologue}),
+               attrs={"eps": Attr(A.float, 1e-5)}, traits=frozenset({Trait.prologue, Trait.tokenwise}),
                doc="Block Attention Residual mix: softmax over sources of rms(V_j).(norm_w*proj_w), "
                    "sum of P_j V_j; the last source is the running partial"))
 
@@ -254,4 +254,5 @@ def _argmax_infer(ts, at):
 
 
 register(OpDef("argmax", ("x",), ("idx",), _argmax_infer,
-               lambda a, at: [f32(a[0]).argmax(-1).to(torch.int32)], doc="greedy next token"))
+               lambda a, at: [f32(a[0]).argmax(-1).to(torch.int32)], traits=frozenset({Trait.tokenwise}),
+               doc="greedy next token"))

@@ -32,7 +32,7 @@ def _router_ref(a, at):
 
 register(OpDef("router", ("logits", "bias"), ("weights", "ids"), _router_infer, _router_ref,
                attrs={"topk": Attr(A.int), "scale": Attr(A.float, 1.0)},
-               traits=frozenset({Trait.epilogue}),
+               traits=frozenset({Trait.epilogue, Trait.tokenwise}),
                doc="sigmoid scores; top-k of scores + bias; weights = scores[ids] / sum * scale"))
 
 

@@ -98,7 +98,10 @@ def test_kda_attn_res_append_match_registry():
     cache0, row = cache.clone(), r(batch, 64).to(BF)
     pos = torch.tensor([5, 15][:batch], device="cuda", dtype=torch.int32)
     tasks = wl.kda_tasks(q, k, v, g, beta, st, o, 2, 0)
-    tasks += wl.attn_res_tasks(srcs, nw, pw, gam, h, y, 1e-5, 1e-6, 10)
+    # The sources as separate allocations (the body reads them in place through its table).
+    srcs = [s.clone() for s in srcs]
+    ptrs = torch.zeros(len(srcs), dtype=torch.int64, device="cuda")
+    tasks += wl.attn_res_tasks(srcs, nw, pw, gam, h, y, 1e-5, 1e-6, 10, ptrs=ptrs)
     tasks.append(wl.ew_task(EwOp.APPEND, row, cache, 20, b=cache, c=pos))
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 8), num_events=1,
                       batch=batch, threads=256, name="k3b_kda")
