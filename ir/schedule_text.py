@@ -28,7 +28,9 @@ reader's (`parse_schedule(..., fast=False)` forces it; tests check the two agree
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import itertools
 import json
 import re
@@ -111,8 +113,26 @@ def _lark() -> Lark:
     return Lark(GRAMMAR.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=False)
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Reading builds ~10^6 long-lived objects and frees almost none: the cyclic GC would rescan
+    them again and again for nothing. Paused while reading, back on (as it was) after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def parse_schedule(text: str, filename: str = "<string>", fast: bool = True) -> Schedule:
     """Parse schedule text (the line-oriented reader first, the lark reader when it gives up)."""
+    with _gc_paused():
+        return _parse_schedule(text, filename, fast)
+
+
+def _parse_schedule(text: str, filename: str, fast: bool) -> Schedule:
     m = _HEADER.search(text)
     if m is None:
         raise ScheduleSyntaxError(f"{filename}:1:1: expected a graph followed by a 'schedule' block")
@@ -148,6 +168,11 @@ def parse_schedule_file(path, fast: bool = True) -> Schedule:
     """Parse a schedule file; streams its lines (the 55 MB text of a full model is never held
     whole) unless the fast reader gives up."""
     path = Path(path)
+    with _gc_paused():
+        return _parse_schedule_file(path, fast)
+
+
+def _parse_schedule_file(path: Path, fast: bool) -> Schedule:
     if fast:
         with open(path) as f:           # the decoding and newline handling of Path.read_text
             head = []
@@ -163,7 +188,7 @@ def parse_schedule_file(path, fast: bool = True) -> Schedule:
                 s = _FastReader(graph).read(itertools.chain((line,), f))
                 if s is not None:
                     return s
-    return parse_schedule(path.read_text(), str(path), fast=False)
+    return _parse_schedule(path.read_text(), str(path), fast=False)
 
 
 def _var(tok) -> str:
