@@ -207,7 +207,8 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
     """Build (or parse) the graph, verify it, bind weights and return a `CompiledStep`.
 
     `weights`: None (deterministic random weights from `seed`), a dict of tensors, or a path to a
-    checkpoint folder (sharded safetensors with an index). A NaN/Inf in a float weight or a 0xFF
+    checkpoint folder (sharded safetensors with an index). A checkpoint's `config.json` sets the
+    model's dims (with `config` also named, every disagreement is one ValueError). A NaN/Inf in a float weight or a 0xFF
     (NaN) E8M0 scale byte in an mxfp4 weight is a ValueError naming the tensor unless
     `allow_nonfinite`. `check_finite`: check every step's logits (see `CompiledStep`).
     Out-of-range arguments (batch, max_len < 1, seed < 0, an unknown or absent device) are
@@ -227,7 +228,8 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
     device = check_device(device)
     if backend == "cute" and not device.startswith("cuda"):
         raise ValueError("backend 'cute' needs device='cuda'")
-    graph, module = load_graph(model, config, overrides)
+    ckpt = weights if weights is not None and not isinstance(weights, dict) else None
+    graph, module = load_graph(model, config, overrides, checkpoint=ckpt)
     verify_graph(graph)
     if weights is None:
         rules = getattr(module, "WEIGHT_INIT", ()) if module else ()

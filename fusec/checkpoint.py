@@ -35,6 +35,7 @@ from fusec.weights import ALLOW_HINT, nonfinite_problem
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"   # the model's published hyperparameters (HF `config.json`)
 
 # safetensors header dtype strings for the IR dtypes a checkpoint can hold (mxfp4 is stored as u8).
 ST_DTYPES = {DType.bf16: "BF16", DType.f16: "F16", DType.f32: "F32", DType.fp8e4m3: "F8_E4M3",
@@ -158,6 +159,45 @@ def _read_index(index_path: str) -> tuple[str, dict[str, str]]:
         if not isinstance(f, str) or not f or os.path.isabs(f) or ".." in f.split("/"):
             raise CheckpointError(f"{index_path}: malformed index: tensor {k} maps to {f!r}, not a shard file name")
     return os.path.dirname(index_path) or ".", wm
+
+
+def _folder(path) -> str:
+    path = os.fspath(path)
+    return path if os.path.isdir(path) else (os.path.dirname(path) or ".")
+
+
+def read_config(path) -> dict | None:
+    """The checkpoint's `config.json` (next to the index or the single safetensors file) as a
+    dict; None when there is none. Malformed JSON is a CheckpointError."""
+    fp = os.path.join(_folder(path), CONFIG_FILE)
+    if not os.path.isfile(fp):
+        return None
+    try:
+        with open(fp) as fh:
+            doc = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{fp}: malformed json: {e.msg} at line {e.lineno} col {e.colno}") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{fp}: not a JSON object")
+    return doc
+
+
+def header_shapes(path):
+    """`shape_of(tensor name) -> tuple | None`: a tensor's shape read from its shard's header (no
+    data is read); None for a tensor the checkpoint does not hold or a shard that cannot be read
+    (loading reports those)."""
+    folder, wmap = _read_layout(path)
+
+    def shape_of(name: str):
+        shard = wmap.get(name)
+        if shard is None:
+            return None
+        try:
+            with safe_open(os.path.join(folder, shard), framework="pt") as f:
+                return tuple(f.get_slice(name).get_shape())
+        except Exception:   # a missing shard or a bad header: load_checkpoint names it
+            return None
+    return shape_of
 
 
 def _raise(problems: list[str]) -> None:

@@ -119,8 +119,12 @@ def check_overrides(spec: str, mod, overrides: dict | None) -> dict:
             for k, v in overrides.items()}
 
 
-def load_graph(spec, config: str | None = None, overrides: dict | None = None) -> tuple[Graph, ModuleType | None]:
-    """(graph, model module or None for .fir files and Graph objects)."""
+def load_graph(spec, config: str | None = None, overrides: dict | None = None,
+               checkpoint=None) -> tuple[Graph, ModuleType | None]:
+    """(graph, model module or None for .fir files and Graph objects).
+
+    `checkpoint`: a checkpoint path whose `config.json`, when it has one and the model file
+    reads it (`config_from_checkpoint`), gives the config: see `checkpoint_config`."""
     if isinstance(spec, Graph):
         return spec, None
     spec = str(spec)
@@ -135,8 +139,13 @@ def load_graph(spec, config: str | None = None, overrides: dict | None = None) -
     if not callable(build):
         raise ModelError(f"{spec}: declares no graph (expected a function build_graph(config, **overrides))")
     overrides = check_overrides(spec, mod, overrides)
+    chosen = config or getattr(mod, "DEFAULT_CONFIG", None)
+    if checkpoint is not None:
+        cfg = checkpoint_config(spec, mod, checkpoint, config, overrides)
+        if cfg is not None:
+            chosen, overrides = cfg, {}
     try:
-        g = build(config or getattr(mod, "DEFAULT_CONFIG", None), **(overrides or {}))
+        g = build(chosen, **(overrides or {}))
     except (ValueError, TypeError) as e:
         raise ModelError(f"{spec}: {e}") from None
     if not isinstance(g, Graph):
@@ -158,3 +167,31 @@ def list_configs(spec) -> tuple[dict, str | None]:
     if not isinstance(configs, dict) or not configs:
         raise ModelError(f"{spec}: declares no named configs (expected a dict CONFIGS of name -> config)")
     return configs, getattr(mod, "DEFAULT_CONFIG", None)
+
+
+def checkpoint_config(spec: str, mod, path, config: str | None = None, overrides: dict | None = None):
+    """The model config a checkpoint's `config.json` describes (reconciled with a named `config`
+    and `overrides`: every disagreement in one ModelError), or None when the checkpoint has no
+    config.json or the model file cannot read one (no `config_from_checkpoint(doc, shape_of)`)."""
+    import os
+
+    from fusec.checkpoint import CONFIG_FILE, CheckpointError, header_shapes, read_config
+    from fusec.modelconfig import checkpoint_config as reconcile
+
+    reader = getattr(mod, "config_from_checkpoint", None)
+    configs = getattr(mod, "CONFIGS", None)
+    if reader is None or not isinstance(configs, dict):
+        return None
+    doc = read_config(path)
+    if doc is None:
+        return None
+    folder = os.fspath(path) if os.path.isdir(path) else os.path.dirname(os.fspath(path)) or "."
+    source = os.path.join(folder, CONFIG_FILE)
+    try:
+        fields = reader(doc, header_shapes(path))
+        return reconcile(spec, configs, getattr(mod, "DEFAULT_CONFIG", next(iter(configs))), fields, config,
+                         overrides, source=source)
+    except CheckpointError:
+        raise
+    except ValueError as e:   # the reader's problems, or the disagreements (which name the file)
+        raise ModelError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None

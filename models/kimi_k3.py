@@ -12,6 +12,7 @@ Configs: `full` (default), `tiny`, `slice4`, `slice4-e128`; any field can be ove
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from fusec.ir.builder import GraphBuilder
@@ -233,3 +234,133 @@ CHECKPOINT_UNUSED = ["vision_tower.*", "multi_modal_projector.*", "mm_projector.
 
 def checkpoint_name(weight: str) -> str:
     return CHECKPOINT_RENAMES.get(weight, CHECKPOINT_PREFIX + weight)
+
+
+# -- config.json ------------------------------------------------------------------------------
+# The published checkpoint's config.json: `KimiK3ForConditionalGeneration` (model_type kimi_k3)
+# wraps the text model's `KimiLinearForCausalLM` config (model_type kimi_linear) in `text_config`;
+# a bare kimi_linear config is read the same way. Key -> K3Config field:
+HF_KEYS = {
+    "vocab_size": "vocab", "hidden_size": "hidden", "num_hidden_layers": "layers",
+    "intermediate_size": "dense_inter", "rms_norm_eps": "rms_eps", "attn_res_block_size": "attn_res_block",
+    "num_attention_heads": "mla_heads", "q_lora_rank": "q_lora", "kv_lora_rank": "kv_lora",
+    "qk_nope_head_dim": "qk_nope", "qk_rope_head_dim": "qk_rope", "v_head_dim": "v_dim",
+    "num_experts": "experts", "num_experts_per_token": "topk", "moe_intermediate_size": "expert_inter",
+    "routed_expert_hidden_size": "latent", "routed_scaling_factor": "routed_scale",
+}
+HF_KDA_KEYS = {"num_heads": "kda_heads", "head_dim": "kda_head_dim", "short_conv_kernel_size": "conv_width"}
+# Published keys whose value is the only one this graph implements: any other value is a model
+# the graph does not describe, named as such rather than built wrong.
+HF_FIXED = {
+    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+    "mla_use_nope": True, "mla_use_output_gate": True, "latent_moe_use_norm": True,
+    "moe_router_activation_func": "sigmoid", "moe_renormalize": True, "moe_layer_freq": 1,
+    "num_expert_group": 1, "topk_group": 1, "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+}
+HF_KDA_FIXED = {"gate_lower_bound": -5.0, "use_full_rank_gate": True}
+
+
+def config_from_checkpoint(doc: dict, shape_of=None) -> dict:
+    """The K3Config fields a checkpoint's config.json (`doc`) determines, as a dict.
+
+    Layer lists are 1-based in config.json (`linear_attn_config.full_attn_layers` are the MLA
+    layers, `kda_layers` the rest), 0-based here. Two dims config.json does not state are read
+    from the tensor headers when `shape_of(checkpoint tensor name) -> shape | None` is given:
+    the stored A_log length and the decay gate's rank (f_a_proj rows). Every missing key,
+    mistyped value and unsupported setting is collected into one ValueError.
+    """
+    t = doc.get("text_config", doc) if isinstance(doc, dict) else None
+    if not isinstance(t, dict):
+        raise ValueError("config.json is not a JSON object")
+    problems: list[str] = []
+    out: dict = {}
+
+    def num(where: dict, key: str, prefix: str = "", kind=int, minimum=1):
+        v = where.get(key)
+        ok = not isinstance(v, bool) and (isinstance(v, int) if kind is int else isinstance(v, (int, float)))
+        if key not in where:
+            problems.append(f"{prefix}{key} missing")
+        elif not ok or (kind is int and v < minimum) or (kind is float and v <= 0):
+            problems.append(f"{prefix}{key} = {_json(v)}: expected "
+                            + (f"an integer >= {minimum}" if kind is int else "a number > 0"))
+        else:
+            return kind(v)
+        return None
+
+    model_type = doc.get("model_type") if isinstance(doc, dict) else None
+    if t.get("model_type", model_type) not in ("kimi_linear", "kimi_k3"):
+        problems.append(f"model_type = {_json(t.get('model_type', model_type))}: expected kimi_linear "
+                        "(or kimi_k3 wrapping it)")
+    for key, field in HF_KEYS.items():
+        v = num(t, key, kind=float if field in ("rms_eps", "routed_scale") else int)
+        if v is not None:
+            out[field] = v
+    heads, kv_heads = t.get("num_attention_heads"), t.get("num_key_value_heads", t.get("num_attention_heads"))
+    if kv_heads != heads:
+        problems.append(f"num_key_value_heads = {_json(kv_heads)}: MLA needs one KV head per query head "
+                        f"({_json(heads)})")
+    shared = num(t, "num_shared_experts")
+    if shared is not None and "expert_inter" in out:
+        out["shared_inter"] = shared * out["expert_inter"]   # the shared experts run as one wide MLP
+    dense = num(t, "first_k_dense_replace", minimum=0)
+    if dense is not None:
+        out["dense_layers"] = tuple(range(dense))
+    for key, want in HF_FIXED.items():
+        if key in t and not _same(t[key], want):
+            problems.append(f"{key} = {_json(t[key])}: this graph implements {_json(want)} only")
+    q = t.get("quantization_config")
+    if q is None:
+        out["expert_dtype"] = "bf16"
+    elif isinstance(q, dict) and q.get("format") == "mxfp4-pack-quantized":
+        out["expert_dtype"] = "mxfp4"
+    else:
+        fmt = q.get("format") if isinstance(q, dict) else q
+        problems.append(f"quantization_config.format = {_json(fmt)}: expected mxfp4-pack-quantized "
+                        "(or no quantization_config: bf16 experts)")
+
+    lac = t.get("linear_attn_config")
+    if not isinstance(lac, dict):
+        problems.append("linear_attn_config missing (or not an object)")
+        lac = {}
+    for key, field in HF_KDA_KEYS.items():
+        v = num(lac, key, "linear_attn_config.")
+        if v is not None:
+            out[field] = v
+    for key, want in HF_KDA_FIXED.items():
+        if key in lac and not _same(lac[key], want):
+            problems.append(f"linear_attn_config.{key} = {_json(lac[key])}: this graph implements "
+                            f"{_json(want)} only")
+    n = out.get("layers")
+    full, kda = lac.get("full_attn_layers"), lac.get("kda_layers")
+    for key, v in (("full_attn_layers", full), ("kda_layers", kda)):
+        if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            problems.append(f"linear_attn_config.{key} missing (or not a list of layer numbers)")
+        elif n is not None and any(not 1 <= x <= n for x in v):
+            problems.append(f"linear_attn_config.{key} = {v}: layer numbers run 1..{n}")
+    if n is not None and isinstance(full, list) and isinstance(kda, list) and \
+            sorted(full + kda) != list(range(1, n + 1)):
+        problems.append(f"linear_attn_config: full_attn_layers and kda_layers do not split layers 1..{n} "
+                        "between them (every layer is exactly one of MLA or KDA)")
+    elif isinstance(full, list):
+        out["mla_layers"] = tuple(sorted(x - 1 for x in full))
+
+    if shape_of is not None and n is not None and "mla_layers" in out:
+        kda0 = next((i for i in range(n) if i not in out["mla_layers"]), None)
+        if kda0 is not None:
+            a = f"layers.{kda0}.self_attn."
+            a_log, f_a = shape_of(checkpoint_name(a + "A_log")), shape_of(checkpoint_name(a + "f_a_proj.weight"))
+            if a_log is not None and len(a_log) == 1:
+                out["a_log_len"] = int(a_log[0])
+            if f_a is not None and len(f_a) == 2:
+                out["f_rank"] = int(f_a[0])
+    if problems:
+        raise ValueError(f"{len(problems)} problem{'s' if len(problems) > 1 else ''}: " + "; ".join(problems))
+    return out
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b if isinstance(b, bool) else (not isinstance(a, bool) and a == b)
+
+
+def _json(v) -> str:
+    return json.dumps(v)
