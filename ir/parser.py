@@ -1,7 +1,18 @@
-"""`.fir` parser: text -> Graph. Every error names file:line:col and what was expected."""
+"""`.fir` parser: text -> Graph. Every error names file:line:col and what was expected.
+
+Two readers, one language (as for schedules, ir/schedule_text.py): the grammar `fir.lark` (lark,
+LALR) defines it, and a line-oriented reader (`_fast_fir`) reads the printed layout of
+`print_graph` (one statement a line, single spaces), about 10x faster (a full K3 lowered graph,
+6,860 lines, is ~2.5 s in lark). It builds the graph with the same calls in the same order and
+gives up on any line outside that layout or any error; then the lark reader reads the whole text,
+so what is accepted, what it means and every error message are the lark reader's
+(`parse_fir(..., fast=False)` forces it; tests/test_schedule_reader.py checks the two agree).
+"""
 from __future__ import annotations
 
 import functools
+import json
+import re
 from pathlib import Path
 
 from lark import Lark, Token, Tree
@@ -34,7 +45,11 @@ def _expected(names) -> str:
     return " or ".join(shown[:6]) + (" ..." if len(shown) > 6 else "")
 
 
-def parse_fir(text: str, filename: str = "<string>") -> Graph:
+def parse_fir(text: str, filename: str = "<string>", fast: bool = True) -> Graph:
+    if fast:
+        g = _fast_fir(text)
+        if g is not None:
+            return g
     try:
         tree = _lark().parse(text)
     except UnexpectedToken as e:
@@ -170,3 +185,187 @@ class _Builder:
     def upd(self, t: Tree):
         state, new = t.children
         self.g.update(self.var(state), self.var(new))
+
+
+# -- fast line-oriented reader ---------------------------------------------------------------------
+_NAME = r"[A-Za-z_][A-Za-z0-9_.]*"
+_VAR = r"%[A-Za-z0-9_.]+"
+_TYPE = rf"(bf16|f16|f32|fp8e4m3|mxfp4|i32|i64|u8)\[((?:(?:\d+|{_NAME})(?:, (?:\d+|{_NAME}))*)?)\]"
+_RE_GRAPH = re.compile(rf"graph ({_NAME}) \(((?:{_NAME}(?:, {_NAME})*)?)\) \{{")
+_RE_PARAM = re.compile(rf"(weight|state|io|comm) ({_VAR}) : ({_TYPE})(?: \{{(.*)\}})?")
+_RE_OP = re.compile(rf"((?:{_VAR} : {_TYPE})(?:, {_VAR} : {_TYPE})*) = ({_NAME})\(((?:{_VAR}(?:, {_VAR})*)?)\)"
+                    rf"(?: \{{(.*)\}})?(?: @([A-Za-z0-9_.]+))?")
+_RE_RESULT = re.compile(rf"({_VAR}) : ({_TYPE})")
+_RE_TYPE = re.compile(_TYPE)
+_RE_UPDATE = re.compile(rf"update ({_VAR}) = ({_VAR})")
+_RE_RETURN = re.compile(rf"return(?: ({_VAR}(?:, {_VAR})*))?")
+_RE_INT = re.compile(r"\d+")
+# attribute tokens, as fir.lark's terminals lex them (a NAME that spells true/false is the keyword)
+_RE_TOK = re.compile(r'[ \t\f\r\n]*(?:(-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?)|("(?:[^"\\\n]|\\.)*")'
+                     rf'|({_NAME})|([\[\],=]))')
+
+
+class _GiveUp(Exception):
+    """The fast reader does not take this text: the lark reader decides."""
+
+
+def _fast_fir(text: str) -> Graph | None:
+    """The graph of printed `.fir` text, or None where the lark reader must decide."""
+    try:
+        return _FastFir().read(text)
+    except Exception:           # _GiveUp, or any error: the lark reader gives the message
+        return None
+
+
+class _FastFir:
+    def __init__(self):
+        self.types: dict = {}            # (type text, kind) -> TensorType
+
+    def read(self, text: str) -> Graph:
+        lines = iter(text.split("\n"))
+        g = None
+        for raw in lines:
+            line = raw.strip(" \t\f\r")
+            if not line or line[0] == "#":
+                continue
+            m = _RE_GRAPH.fullmatch(line)
+            if m is None:
+                raise _GiveUp
+            g = Graph(m[1], tuple(m[2].split(", ")) if m[2] else ())
+            break
+        if g is None:
+            raise _GiveUp
+        self.g = g
+        returned = closed = False
+        for raw in lines:
+            line = raw.strip(" \t\f\r")
+            if not line or line[0] == "#":
+                continue
+            if closed:
+                raise _GiveUp
+            c = line[0]
+            if c == "%":
+                self.opstmt(line)
+            elif line == "}":
+                closed = True
+            elif line.startswith("return"):
+                m = _RE_RETURN.fullmatch(line)
+                if m is None:
+                    raise _GiveUp
+                g.set_outputs([self.var(v) for v in m[1].split(", ")] if m[1] else [])
+                returned = True
+            elif line.startswith("update "):
+                m = _RE_UPDATE.fullmatch(line)
+                if m is None:
+                    raise _GiveUp
+                g.update(self.var(m[1]), self.var(m[2]))
+            else:
+                self.param(line)
+        if not closed or not returned:
+            raise _GiveUp
+        return g
+
+    def var(self, text: str):
+        name = text[1:]
+        if not self.g.has_value(name):
+            raise _GiveUp
+        return self.g.value(name)
+
+    def type(self, text: str, kind: Kind) -> TensorType:
+        key = (text, kind)
+        t = self.types.get(key)
+        if t is None:
+            m = _RE_TYPE.fullmatch(text)
+            shape = []
+            for d in (m[2].split(", ") if m[2] else ()):
+                if _RE_INT.fullmatch(d):
+                    shape.append(int(d))
+                elif d in self.g.dims:
+                    shape.append(d)
+                else:
+                    raise _GiveUp
+            t = self.types[key] = TensorType(tuple(shape), DType(m[1]), kind)
+        return t
+
+    def param(self, line: str) -> None:
+        m = _RE_PARAM.fullmatch(line)
+        if m is None:
+            raise _GiveUp
+        name = m[2][1:]
+        self.g.param(name, self.type(m[3], Kind(m[1])))
+        if m[6] is not None:
+            attrs = _attrs(m[6])
+            if attrs:
+                self.g.param_attrs[name] = attrs
+
+    def opstmt(self, line: str) -> None:
+        m = _RE_OP.fullmatch(line)
+        if m is None:
+            raise _GiveUp
+        results, opname, args, attrs, group = m[1], m[6], m[7], m[8], m[9]
+        from .registry import get_op
+        opdef = get_op(opname)
+        attrs = _attrs(attrs) if attrs is not None else {}
+        opdef.check_arity(len(args.split(", ")) if args else 0)
+        inputs = [self.var(a) for a in args.split(", ")] if args else []
+        res = _RE_RESULT.findall(results)
+        names = [r[0][1:] for r in res]
+        inferred = opdef.infer([v.type for v in inputs], opdef.normalize_attrs(dict(attrs)))
+        types = [self.type(r[1], k.kind) for r, k in zip(res, inferred)]
+        self.g.add_op(opname, inputs, attrs, names=names, types=types, group=group)
+
+
+def _attrs(text: str) -> dict:
+    """`k = v, ...` (the inside of an attribute block) as the lark reader's _Builder reads it."""
+    toks = []
+    pos, n = 0, len(text)
+    while True:
+        while pos < n and text[pos] in " \t\f\r\n":
+            pos += 1
+        if pos == n:
+            break
+        m = _RE_TOK.match(text, pos)
+        if m is None:
+            raise _GiveUp
+        toks.append(m.groups())
+        pos = m.end()
+    attrs: dict = {}
+    i = 0
+    if not toks:
+        return attrs
+    while True:
+        if i + 2 >= len(toks) or toks[i][2] is None or toks[i + 1][3] != "=" or toks[i][2] in ("true", "false"):
+            raise _GiveUp
+        key = toks[i][2]
+        if key in attrs:
+            raise _GiveUp
+        attrs[key], i = _value(toks, i + 2)
+        if i == len(toks):
+            return attrs
+        if toks[i][3] != ",":
+            raise _GiveUp
+        i += 1
+
+
+def _value(toks, i):
+    num, string, name, punct = toks[i]
+    if num is not None:
+        return (float(num) if any(c in num for c in ".eE") else int(num)), i + 1
+    if string is not None:
+        return json.loads(string), i + 1
+    if name is not None:
+        return (True if name == "true" else False if name == "false" else name), i + 1
+    if punct != "[":
+        raise _GiveUp
+    items = []
+    i += 1
+    if toks[i][3] == "]":
+        return tuple(items), i + 1
+    while True:
+        v, i = _value(toks, i)
+        items.append(v)
+        if toks[i][3] == "]":
+            return tuple(items), i + 1
+        if toks[i][3] != ",":
+            raise _GiveUp
+        i += 1

@@ -136,7 +136,7 @@ def _parse_schedule(text: str, filename: str, fast: bool) -> Schedule:
     m = _HEADER.search(text)
     if m is None:
         raise ScheduleSyntaxError(f"{filename}:1:1: expected a graph followed by a 'schedule' block")
-    graph = parse_fir(text[:m.start()], filename)
+    graph = parse_fir(text[:m.start()], filename, fast=fast)
     if fast:
         s = _FastReader(graph).read(text[m.start():].split("\n"))
         if s is not None:

@@ -98,3 +98,58 @@ def test_fast_reader_gives_up_to_lark(name):
             parse_schedule(t, "bad.sched", fast=False)
         assert str(fast_err.value) == str(slow_err.value)
     assert same(parse_schedule(text, "t"), slow)
+
+
+# -- the .fir part: ir/parser.py's line reader against lark -----------------------------------------
+FIRS = sorted((HERE.parent).glob("**/*.fir"))
+
+
+def _fir_outcome(text: str, fast: bool):
+    """Everything a graph holds (or the error), to compare the two readers."""
+    from fusec.ir.printer import print_graph
+    try:
+        g = parse_fir(text, "t.fir", fast=fast)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return (g.name, g.dims, print_graph(g), [(v.name, v.type) for v in g.params], g.param_attrs,
+            [(o.opname, o.attrs, o.group, [v.name for v in o.inputs], [(v.name, v.type) for v in o.outputs])
+             for o in g.ops], {k: v.name for k, v in g.updates.items()}, [v.name for v in g.outputs])
+
+
+def test_fast_fir_reader_matches_lark(k3_tiny_texts):
+    from fusec.ir.parser import _fast_fir
+    texts = [p.read_text() for p in FIRS] + [t[:_HEADER.search(t).start()] for t in k3_tiny_texts.values()]
+    taken = 0
+    for text in texts:
+        assert _fir_outcome(text, True) == _fir_outcome(text, False)
+        taken += _fast_fir(text) is not None
+    assert taken >= len(texts) - len(list((HERE.parent / "fir_invalid").glob("*.fir")))   # every valid file
+
+
+def test_fast_fir_reader_random_edits():
+    """Seeded random edits (deleted and inserted characters, digits changed, lines repeated): the
+    two readers give the same graph or the same error on every one."""
+    import random
+    from fusec.ir.parser import _fast_fir
+    rng = random.Random(11)
+    taken = 0
+    alpha = list(" \t\n%#{}[]()=,:@\"\\-.e0123456789aBLxyz") + ["true", "false", "1.5", "-3", "1e5", '"s"',
+                                                               " @g", " {eps = 1.0}", "[]", "[1, 2]", "nan"]
+    valid = [p.read_text() for p in FIRS if p.parent.name != "fir_invalid"]
+    for _ in range(800):
+        text = rng.choice(valid)
+        for _ in range(rng.randint(1, 3)):
+            k, op = rng.randrange(len(text)), rng.random()
+            if op < 0.2:
+                text = text[:k] + text[k + rng.randint(1, 4):]
+            elif op < 0.5 and text[k].isdigit():
+                text = text[:k] + rng.choice("0123456789") + text[k + 1:]
+            elif op < 0.8:
+                text = text[:k] + rng.choice(alpha) + text[k:]
+            else:
+                lines = text.split("\n")
+                lines.insert(rng.randrange(len(lines)), rng.choice(lines))
+                text = "\n".join(lines)
+        assert _fir_outcome(text, True) == _fir_outcome(text, False), text
+        taken += _fast_fir(text) is not None
+    assert taken >= 20          # edited texts the fast reader took itself (the rest went to lark)
