@@ -13,7 +13,7 @@ import re
 import time
 from pathlib import Path
 
-from fusec.config import Options
+from fusec.passes.options import Options
 from fusec.models import kimi_k3
 from fusec.passes.manager import PIPELINES, PassError, Program, run_pipeline
 

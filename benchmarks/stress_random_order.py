@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fusec.backends.reference.executor import init_state
 from fusec.backends.reference.random_order import RandomOrderRunner
-from fusec.config import Options
+from fusec.passes.options import Options
 from fusec.ir.schedule_text import parse_schedule_file
 from fusec.models import kimi_k3
 from fusec.mutate import EXPECT, Mutation, MutationSkipped, plant

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fusec.config import Options
+from fusec.passes.options import Options
 from fusec.ir.printer import print_graph
 from fusec.ir.verify import verify_graph
 from fusec.loader import load_graph
@@ -164,7 +164,7 @@ def schedule_summary(prog) -> str:
     s = prog.schedule
     if s is None:
         return "no schedule (pipeline stopped before `schedule`)"
-    from fusec.cost import step_summary
+    from fusec.passes.cost import step_summary
     t = step_summary(s)["step_us"]
     return (f"schedule: {len(s.tasks)} tasks, {len(s.events)} events, {s.ranks} rank(s) x {s.sms} SMs; "
             f"predicted step {t:.1f} us at batch {s.dims['B']} ({1e6 / t:.1f} tok/s per sequence)")

@@ -1,7 +1,7 @@
 """Multi-GPU decode-step simulation: compile the graph for R ranks and read the predicted step.
 
 `simulate(model_graph, ranks, gpu="h200"|"gb300", batch)` runs canonicalize, fuse, shard, tile,
-overlap and schedule with the GPU's parameters (`fusec.cost.GPUS`: SMs, HBM bandwidth,
+overlap and schedule with the GPU's parameters (`fusec.passes.target.GPUS`: SMs, HBM bandwidth,
 NVLink / network bandwidth and latency) and returns the list-scheduled step time of one rank
 (all ranks run the same replicated schedule) and tokens/s per user. Nothing is run on a GPU.
 
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fusec.config import Options
-from fusec.cost import gpu_spec, graph_stats
+from fusec.passes.options import Options
+from fusec.passes.target import gpu_spec
+from fusec.stats import graph_stats
 from fusec.ir.graph import Graph
 
 PIPE = ["canonicalize", "fuse", "shard", "tile", "overlap", "schedule"]

@@ -32,7 +32,7 @@ class GraphStats:
     by_kind: dict = None            # op name -> {"count", "bytes", "flops"}
 
     def roofline_us(self, spec) -> float:
-        """Bytes moved per step over the GPU's HBM bandwidth (`fusec.cost.GpuSpec`)."""
+        """Bytes moved per step over the GPU's HBM bandwidth (`fusec.passes.target.GpuSpec`)."""
         return (self.bytes_read + self.bytes_written) / spec.hbm_bw * 1e6
 
 

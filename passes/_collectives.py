@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from fusec.cost import task_time_us
+from .cost import task_time_us
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import get_op
 from fusec.ir.schedule import Instr, InstrKind, Region, Task

@@ -14,7 +14,8 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from fusec.cost import gpu_spec, task_time_us
+from .cost import task_time_us
+from .target import gpu_spec
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import Trait
 from fusec.ir.schedule import Instr, InstrKind, Region, Task

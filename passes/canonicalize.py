@@ -29,7 +29,7 @@ Ensures:  no `mla_attention_naive` remains; no two linears with float weights of
 """
 from __future__ import annotations
 
-from fusec.config import log
+from .options import log
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.types import DType, Kind
 from fusec.passes.manager import Program, register_pass

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 
-from fusec.config import log
+from .options import log
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import Trait
 from fusec.passes.manager import Program, register_pass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from fusec.config import Options, log
+from .options import Options, log
 from fusec.ir.graph import Graph
 from fusec.ir.schedule import Schedule
 

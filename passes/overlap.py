@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 
-from fusec.config import log
+from .options import log
 from .manager import Program, register_pass
 
 

@@ -10,7 +10,7 @@ producer of their address (V3).
 """
 from __future__ import annotations
 
-from fusec.config import log
+from .options import log
 from fusec.ir.schedule import InstrKind
 from fusec.ir.types import Kind
 

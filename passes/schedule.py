@@ -20,13 +20,13 @@ List scheduling: tasks are issued in unit order (a global topological order, so 
 consistent with it: V5); each goes to the SM that frees first; it starts when that SM is free
 and every family it waits on has finished (the peers of a collective are assumed to run the
 same schedule in lockstep: the arrive wait is ready when our own push family is). Task times
-come from `fusec.cost.task_time_us`; the predicted step time is the last finish.
+come from `fusec.passes.cost.task_time_us`; the predicted step time is the last finish.
 """
 from __future__ import annotations
 
 import heapq
 
-from fusec.config import log
+from .options import log
 from fusec.ir.schedule import Event, Instr, InstrKind, Scope, Sem
 
 from .manager import Program, register_pass

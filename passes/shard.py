@@ -49,7 +49,7 @@ Ensures:  R == 1: no change. R > 1: per-rank shapes; every graph output FULL; fu
 """
 from __future__ import annotations
 
-from fusec.config import log
+from .options import log
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import Trait
 from fusec.ir.types import Kind

@@ -32,7 +32,7 @@ How a group becomes tasks (tile sizes and families in `passes/_lowering.py`, the
 """
 from __future__ import annotations
 
-from fusec.config import log
+from .options import log
 from fusec.ir.schedule import Schedule
 
 from ._collectives import split_sequence

@@ -28,7 +28,7 @@ from fusec.backends.cute.runner import lower_graph
 from fusec.backends.reference.executor import init_state, run_step
 from fusec.backends.reference.ranks import materialize_weights
 from fusec.compiler import lower
-from fusec.config import Options
+from fusec.passes.options import Options
 from fusec.models import kimi_k3, llama
 from fusec.weights import random_weights
 

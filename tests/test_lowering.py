@@ -11,8 +11,9 @@ from collections import defaultdict
 
 import pytest
 
-from fusec.config import Options
-from fusec.cost import GPUS, graph_stats
+from fusec.passes.options import Options
+from fusec.passes.target import GPUS
+from fusec.stats import graph_stats
 from fusec.ir.builder import GraphBuilder
 from fusec.ir.schedule import InstrKind, Scope
 from fusec.ir.types import DType, Kind

@@ -94,7 +94,7 @@ def test_parse_errors_name_file_line_col():
 
 
 def test_pass_manager_names_the_rule():
-    from fusec.config import Options
+    from fusec.passes.options import Options
     from fusec.passes.manager import Program, verify_program
     s = parse_schedule_file(HERE / "v3_hoisted_weight.sched")
     prog = Program(s.graph, Options(), s, {"scheduled": True})
@@ -104,7 +104,7 @@ def test_pass_manager_names_the_rule():
 
 @pytest.fixture(scope="module")
 def k3_tiny():
-    from fusec.config import Options
+    from fusec.passes.options import Options
     from fusec.models import kimi_k3
     from fusec.passes.manager import PIPELINES, Program, run_pipeline
     g = kimi_k3.build_graph("tiny")
@@ -125,7 +125,7 @@ def test_k3_tiny_schedule_verifies_and_round_trips(k3_tiny, ranks):
 
 @pytest.fixture(scope="module")
 def k3_tiny_r4():
-    from fusec.config import Options
+    from fusec.passes.options import Options
     from fusec.models import kimi_k3
     from fusec.passes.manager import PIPELINES, Program, run_pipeline
     return run_pipeline(Program(kimi_k3.build_graph("tiny"), Options(ranks=4, batch=2, max_len=16, sms=8,

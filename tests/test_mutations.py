@@ -23,7 +23,7 @@ def executor_catches(s, orders=ORDERS) -> bool:
 
 @pytest.fixture(scope="module")
 def schedules():
-    from fusec.config import Options
+    from fusec.passes.options import Options
     from fusec.models import kimi_k3
     from fusec.passes.manager import PIPELINES, Program, run_pipeline
     g = kimi_k3.build_graph("tiny")

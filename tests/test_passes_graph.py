@@ -17,7 +17,7 @@ import torch
 
 from fusec.backends.reference.executor import init_state, prepare_weights, run_step
 from fusec.backends.reference.ranks import run_step_ranks
-from fusec.config import Options
+from fusec.passes.options import Options
 from fusec.ir.parser import parse_fir, parse_fir_file
 from fusec.ir.printer import print_graph
 from fusec.ir.types import DType, Kind

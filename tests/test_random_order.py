@@ -84,7 +84,7 @@ def test_comm_reuse_reads_the_next_steps_data():
 
 @pytest.fixture(scope="module")
 def k3_tiny():
-    from fusec.config import Options
+    from fusec.passes.options import Options
     from fusec.models import kimi_k3
     from fusec.passes.manager import PIPELINES, Program, run_pipeline
     g = kimi_k3.build_graph("tiny")

@@ -4,7 +4,7 @@ and benchmarks/stress_random_order.py --full, too slow for CI)."""
 import pytest
 
 from fusec.compiler import lower
-from fusec.config import Options
+from fusec.passes.options import Options
 from fusec.loader import load_graph
 from fusec.passes.memory_order import check_schedule
 

@@ -43,7 +43,7 @@ def test_fast_reader_matches_lark(path):
 
 @pytest.fixture(scope="module")
 def k3_tiny_texts():
-    from fusec.config import Options
+    from fusec.passes.options import Options
     from fusec.models import kimi_k3
     from fusec.passes.manager import PIPELINES, Program, run_pipeline
     g = kimi_k3.build_graph("tiny")

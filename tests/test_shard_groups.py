@@ -13,7 +13,7 @@ import torch
 
 from fusec.backends.reference.executor import ExecError
 from fusec.backends.reference.ranks import _collective, param_for_rank
-from fusec.config import Options
+from fusec.passes.options import Options
 from fusec.ir.ops.comm import as_rank
 from fusec.ir.parser import parse_fir
 from fusec.ir.printer import print_graph

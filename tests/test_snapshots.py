@@ -23,7 +23,7 @@ def test_k3_full_compile_summary(snapshot, tmp_path, capsys):
 
 def _tiny_schedule_text(ranks: int) -> str:
     from fusec.compiler import lower
-    from fusec.config import Options
+    from fusec.passes.options import Options
     from fusec.ir.schedule_text import print_schedule
     prog = lower(kimi_k3.build_graph("tiny"), Options(ranks=ranks, batch=1, max_len=64))
     return print_schedule(prog.schedule)

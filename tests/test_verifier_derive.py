@@ -20,7 +20,7 @@ NAMES = [f"{m}_r{r}" for m in ("k3", "llama") for r in (1, 2)]
 @pytest.fixture(scope="module")
 def scheds():
     from fusec.compiler import lower
-    from fusec.config import Options
+    from fusec.passes.options import Options
     from fusec.loader import load_graph
     out = {}
     for m, model in (("k3", "kimi_k3"), ("llama", "llama")):

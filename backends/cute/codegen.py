@@ -18,12 +18,14 @@ import types
 
 import jinja2
 
+from fusec.passes.target import GPUS
+
 from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ATTN_RES_VECS, ERR_WORDS, KDA_MAX_HEAD_DIM, MLA_MAX_CHUNKS,
                    MLA_MAX_LORA, MLA_MAX_ROPE, MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS,
                    PF_LOOKAHEAD, ROUTER_MAX_TOPK, ROUTER_PER_LANE, ROW_WORDS, ErrWord, EwOp, ExpertMode, F32Flag, KernelPlan, Word)
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
-DEFAULT_ARCH = "sm_90a"
+DEFAULT_ARCH = GPUS["h200"].arch   # sm_90a: the kernels use Hopper-only features
 
 
 def render(plan: KernelPlan) -> str:

@@ -20,8 +20,8 @@ from fusec.outputs import write_text
 
 def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]:
     """Lower `prog.schedule`, compile for sm_90a, audit; returns (written files, one-line summary)."""
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from .codegen import compile_plan
+    from .codegen import DEFAULT_ARCH, compile_plan
+    os.environ.setdefault("CUTE_DSL_ARCH", DEFAULT_ARCH)
     from .lower import lower_schedule
     from .ptx_audit import audit_dir
 

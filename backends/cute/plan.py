@@ -56,10 +56,12 @@ import enum
 import struct
 from typing import Sequence
 
+from fusec.passes.target import GPUS
+
 ROW_WORDS = 26
 # Rows ahead (the waiting row included) whose weight ranges a waiting CTA prefetches.
 PF_LOOKAHEAD = 2
-H200_SMS = 132
+H200_SMS = GPUS["h200"].sms   # CTAs of the persistent grid: one per SM of the target
 NO_EVENT = -1
 
 

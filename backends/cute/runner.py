@@ -11,7 +11,7 @@ outputs. The kernel computes in bf16 (fp32 accumulation): precision "fp32" is re
 """
 from __future__ import annotations
 
-from fusec.config import Options
+from fusec.passes.options import Options
 from fusec.ir.graph import Graph
 
 from .plan import ERR_WORDS, ErrWord

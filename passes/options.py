@@ -1,11 +1,13 @@
-"""Every knob of fusec in one typed place: compile options and the FUSEC_* environment variables.
+"""Every knob of the compiler in one typed place: compile options and the FUSEC_* environment
+variables. On the passes floor, so every pass (and the backends, and the driver above them)
+reads the same `Options`; the GPU it targets is `gpu`, a name in `fusec.passes.target.GPUS`.
 
 Environment variables (read once per call of `Options.from_env`):
   FUSEC_LOG            comma list of log channels to print to stderr (e.g. `fusion,overlap,pass`)
   FUSEC_VERIFY         `end` (default) verifies the program once, after the last pass; `each`
                        after every pass (tests build `Options` directly, where verifying after
                        every pass is the default)
-  FUSEC_SMS            SMs per GPU for scheduling (default 132, an H200)
+  FUSEC_SMS            SMs per GPU for scheduling (default: the target GPU's, 132 on an H200)
 """
 from __future__ import annotations
 
@@ -14,18 +16,24 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from .target import DEFAULT_GPU, gpu_spec
+
 
 @dataclass(frozen=True)
 class Options:
     ranks: int = 1
     batch: int = 1
     max_len: int = 4096             # cache capacity bound to the symbolic dim L
-    sms: int = 132
-    gpu: str = "h200"
+    sms: int | None = None          # None: the target GPU's SM count
+    gpu: str = DEFAULT_GPU
     verify_each_pass: bool = True
     print_ir_after_all: bool = False
     dump_dir: str | None = None
     log: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self):
+        if self.sms is None:   # frozen: set through object.__setattr__, once, at construction
+            object.__setattr__(self, "sms", gpu_spec(self.gpu).sms)
 
     @staticmethod
     def from_env(**overrides) -> "Options":
@@ -33,7 +41,7 @@ class Options:
         base = dict(
             log=frozenset(x for x in env.get("FUSEC_LOG", "").split(",") if x),
             verify_each_pass=env.get("FUSEC_VERIFY", "end") == "each",
-            sms=int(env.get("FUSEC_SMS", "132")),
+            sms=int(env["FUSEC_SMS"]) if env.get("FUSEC_SMS") else None,
         )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return Options(**base)

@@ -1,5 +1,6 @@
-"""The cost model: GPU and interconnect parameters, predicted time per task and per step, and
-whole-graph figures (parameters, active parameters, bytes per token) from `OpDef.cost`.
+"""The cost model: predicted time per task and per step on a target GPU (`fusec.passes.target`:
+its SMs, HBM bandwidth, FLOP/s and links). Whole-graph figures (parameters, active parameters,
+bytes per token, from `OpDef.cost`) are `fusec.stats`.
 
 Task time (one CTA on one SM), used by the list scheduler (`passes/schedule.py`):
     t = TASK_OVERHEAD_US + max(bytes / (hbm_bw / sms), flops / (peak_flops / sms))
@@ -13,38 +14,10 @@ until the megakernel measures it (backends/cute benchmarks).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+
+from .target import GpuSpec
 
 TASK_OVERHEAD_US = 1.5
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    name: str
-    sms: int
-    hbm_bw: float          # bytes/s, achievable (H200: measured copy); GB300: datasheet, assumed
-    flops: float           # dense bf16 FLOP/s
-    nvlink_bw: float       # bytes/s one direction per GPU inside the NVLink domain
-    nvlink_lat_us: float   # one remote store + signal visible to the peer
-    nvlink_domain: int     # GPUs in one NVLink domain (H200 HGX: 8; GB300 NVL72: 72)
-    net_bw: float          # bytes/s per GPU between domains (InfiniBand / RoCE)
-    net_lat_us: float
-
-
-GPUS: dict[str, GpuSpec] = {
-    # H200: 4.16 TB/s measured device copy (DESIGN.md); NVLink 4: 900 GB/s bidirectional per GPU;
-    # 8 GPUs per HGX node; ConnectX-7 400 Gb/s per GPU between nodes.
-    "h200": GpuSpec("h200", 132, 4.16e12, 790e12, 450e9, 1.5, 8, 50e9, 5.0),
-    # GB300 (Blackwell Ultra): HBM3e ~8 TB/s datasheet (assumed achievable: not measured here);
-    # NVLink 5: 1.8 TB/s bidirectional per GPU; 72 GPUs in one NVL72 domain.
-    "gb300": GpuSpec("gb300", 160, 8.0e12, 2500e12, 900e9, 1.5, 72, 100e9, 5.0),
-}
-
-
-def gpu_spec(name: str) -> GpuSpec:
-    if name not in GPUS:
-        raise ValueError(f"unknown gpu '{name}' (known: {', '.join(GPUS)})")
-    return GPUS[name]
 
 
 def task_time_us(spec: GpuSpec, nbytes: float, flops: float, remote_bytes: float = 0.0,
@@ -59,10 +32,6 @@ def task_time_us(spec: GpuSpec, nbytes: float, flops: float, remote_bytes: float
         bw, lat = (spec.net_bw, spec.net_lat_us) if off_domain else (spec.nvlink_bw, spec.nvlink_lat_us)
         t += remote_bytes / (bw / max(1, remote_streams)) * 1e6 + lat * max(1, remote_hops)
     return t
-
-
-# The graph's own figures (parameters, bytes, flops per op kind) live in fusec.stats.
-from fusec.stats import GraphStats, graph_stats  # noqa: E402,F401  (re-exported for the cost model's users)
 
 
 def step_summary(schedule) -> dict:
