@@ -304,7 +304,9 @@ _RE_EVENT = re.compile(rf"event (\d+) rank (\d+) ({_STR}) per_step (\d+)")
 _RE_TASK = re.compile(rf"task (\d+) rank (\d+) sm (\d+) ({_NAME}) ops\(((?:{_VAR}(?:, {_VAR})*)?)\) "
                       rf"tile \[({_BOX})\] cost ({_NUM}) \{{")
 _RE_QUEUE = re.compile(r"queue (\d+) (\d+) :((?: \d+)*)")
-_RE_REGION = re.compile(rf"({_VAR}) \[({_BOX})\](?: @(\d+))?")
+_RE_BOXTEXT = re.compile(_BOX)
+_RE_AT = re.compile(r"(?: @(\d+))?")
+_NO = object()
 _RE_VAR = re.compile(_VAR)
 _RE_WAIT = re.compile(rf"wait e(\d+) >= (\d+) {_SEM} {_SCOPE}(?: peer (\d+))?")
 _RE_SIGNAL = re.compile(rf"signal e(\d+) {_SEM} {_SCOPE}(?: peer (\d+))?")
@@ -322,6 +324,7 @@ class _FastReader:
         self.known: dict = {}            # %var text -> its name, checked to be a graph value or buffer
         self.boxes: dict = {}            # box text -> tuple of (lo, hi)
         self.regions: dict = {}          # region text -> Region
+        self.ats: dict = {}              # region rank text ('' or ' @1') -> None or the rank
         self.ops: dict = {}              # ops text -> tuple of value names
         self.instrs: dict = {}           # instruction line -> Instr
 
@@ -332,8 +335,11 @@ class _FastReader:
             return None
 
     def box(self, text: str) -> tuple:
+        """The box of `lo:hi, ...` text (checked against the layout once per distinct text)."""
         b = self.boxes.get(text)
         if b is None:
+            if _RE_BOXTEXT.fullmatch(text) is None:
+                raise _GiveUp
             b = self.boxes[text] = tuple(tuple(map(int, sp.split(":"))) for sp in text.split(", ")) \
                 if text else ()
         return b
@@ -353,11 +359,19 @@ class _FastReader:
     def region(self, text: str) -> Region:
         r = self.regions.get(text)
         if r is None:
-            m = _RE_REGION.fullmatch(text)
-            if m is None:
+            # `%var [box]` or `%var [box] @rank`: a %var has no space or '[', a box no ']', so
+            # these splits are exact; each part is checked against the layout (once per text)
+            var, sep, rest = text.partition(" [")
+            box, sep2, at = rest.partition("]")
+            if not sep or not sep2:
                 raise _GiveUp
-            var, box, at = m.groups()
-            r = self.regions[text] = Region(self.tensor(var), self.box(box), None if at is None else int(at))
+            rank = self.ats.get(at, _NO)
+            if rank is _NO:
+                m = _RE_AT.fullmatch(at)
+                if m is None:
+                    raise _GiveUp
+                rank = self.ats[at] = int(m[1]) if m[1] is not None else None
+            r = self.regions[text] = Region(self.tensor(var), self.box(box), rank)
         return r
 
     def instr(self, line: str) -> Instr:
