@@ -407,7 +407,10 @@ def v5_deadlock(s: Schedule, hb: HappensBefore) -> list[Violation]:
             out.append(Violation(Rule.V5, t.id, message="task is on no queue: it never runs"))
     for tid in hb.dup:
         out.append(Violation(Rule.V5, tid, message="task is on two queues"))
-    for key, n in sorted(hb.signals.items()):
+    # every declared counter, also one that no task signals any more (its threshold-0 waits of
+    # the next step would wait for a signal that never comes)
+    for key in sorted(set(hb.signals) | set(hb.per_step)):
+        n = hb.signals.get(key, 0)
         if key in hb.per_step and hb.per_step[key] != n:
             out.append(Violation(Rule.V5, None, wait=f"e{key[1]}@rank{key[0]}",
                                  message=f"event declares per_step {hb.per_step[key]} but receives {n} "
