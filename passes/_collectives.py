@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import math
 
-from .cost import task_time_us
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import get_op
 from fusec.ir.schedule import Instr, InstrKind, Region, Task
 from fusec.ir.types import Kind, TensorType
 
-from . import _lowering
-from ._lowering import Unit
 from ._regions import full_box
+from . import _units
+from ._units import Unit
+from .cost import task_time_us
 
 
 def emit_collective(ctx: _Ctx, name: str, op: Op) -> list[Unit]:
@@ -103,7 +103,7 @@ def split_sequence(g: Graph, dims, sms: int, logf) -> int:
         # Enough bytes per chunk, and not too many (cache row, head) pairs: a partial task walks
         # its rows one after another for every head (latency-bound, see MLA_PAIRS_PER_TASK).
         pairs = rows * int(op.attrs["heads"]) * cache.type.concrete(dims)[0]
-        chunks = min(sms, rows, max(math.ceil(cb / _lowering.MIN_TASK_BYTES), math.ceil(pairs / MLA_PAIRS_PER_TASK)))
+        chunks = min(sms, rows, max(math.ceil(cb / _units.MIN_TASK_BYTES), math.ceil(pairs / MLA_PAIRS_PER_TASK)))
         if chunks <= 1:
             new_ops.append(op)
             continue

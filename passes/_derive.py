@@ -27,10 +27,10 @@ from fusec.ir.types import Kind
 
 from ._lowering import COLLECTIVES, _anchor_kind, _op_box
 from ._regions import box_hull, full_box, input_boxes, out_boxes
+from ._rules import Rule, Violation
 
 
 def _v(rule, task, message, region="", wait=""):
-    from .memory_order import Rule, Violation
     return Violation(Rule(rule), task, region, wait, message)
 
 

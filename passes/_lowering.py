@@ -12,19 +12,19 @@ import bisect
 import functools
 import heapq
 import math
-from dataclasses import dataclass, field
 
-from .cost import task_time_us
-from .target import gpu_spec
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import Trait
 from fusec.ir.schedule import Instr, InstrKind, Region, Task
 from fusec.ir.types import Kind, TensorType
 
+from ._collectives import emit_collective
 from ._regions import EXPERT_OPS, HEADWISE, box_hull, full_box, input_boxes, out_boxes
+from ._units import MIN_TASK_BYTES, Unit
+from .cost import task_time_us
+from .target import gpu_spec
 
 COMPUTE = Instr(InstrKind.COMPUTE)
-MIN_TASK_BYTES = 128 * 1024     # a task streams at least this much (~4 us at its share vs 1.5 us overhead)
 # An elementwise-only unit gets at least one task per this many output elements: its inputs are
 # a few KB, but its math is not (SiTU-GLU of 16896 columns in one task took 31 us on the H200,
 # on the critical path, while every other CTA waited).
@@ -34,26 +34,6 @@ ALIGN = 8                       # GEMV tile rows are a multiple of this (16-byte
 GEMV_OPS = {"linear", "mla_q_absorb", "mla_v_up"}
 HEAD_OPS = {"mla_attention_naive", "mla_attention", "attention", "kda_recurrent"}
 COLLECTIVES = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all_dispatch", "all_to_all_combine"}
-
-
-@dataclass
-class Unit:
-    """One task family: the tasks of one (part of a) fusion group, or one side of a collective."""
-
-    name: str
-    ops: list[Op]
-    body: str
-    task_ids: list[int] = field(default_factory=list)
-    reads: set[str] = field(default_factory=set)      # values loaded (produced elsewhere)
-    writes: set[str] = field(default_factory=set)     # values stored
-    after: set[str] = field(default_factory=set)      # units that must finish first (WAR edges)
-    deps: set[str] = field(default_factory=set)       # every unit it waits on (set by the toposort)
-    # collectives: named events; pre[i] = [(event, threshold, peer offset or None)], post likewise
-    pre: dict[int, list[tuple[str, int, int | None]]] = field(default_factory=dict)
-    post: dict[int, list[tuple[str, int | None]]] = field(default_factory=dict)
-    named_events: dict[str, int] = field(default_factory=dict)   # event name -> signals per step
-    signals_local: bool = True       # its tasks signal the unit's own event (someone waits on it)
-    collective: bool = False
 
 
 def splits(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -421,7 +401,6 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
 
 
 def build_units(g: Graph, dims, opts, logf):
-    from ._collectives import emit_collective
     ctx = _Ctx(g, dims, opts, logf)
     groups: list[list[Op]] = []
     by_name: dict[str, list[Op]] = {}

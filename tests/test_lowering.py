@@ -292,8 +292,9 @@ def test_trace_has_one_track_per_sm(tiny):
 def test_split_sequence_attention_keeps_the_step_numerics(monkeypatch):
     """tile rewrites long-cache MLA attention into chunk partials + combine: same outputs."""
     import torch
-    from fusec.passes import _lowering
-    monkeypatch.setattr(_lowering, "MIN_TASK_BYTES", 4096)   # tiny caches count as long
+    from fusec.passes import _lowering, _units
+    monkeypatch.setattr(_units, "MIN_TASK_BYTES", 4096)      # tiny caches count as long (_collectives)
+    monkeypatch.setattr(_lowering, "MIN_TASK_BYTES", 4096)   # and the other families are cut as finely
     from fusec.backends.reference.executor import init_state, prepare_weights, run_step
     from fusec.weights import random_weights
     g = kimi_k3.build_graph("tiny")

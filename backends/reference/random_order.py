@@ -48,7 +48,7 @@ from fusec.ir.ops.comm import as_rank
 from fusec.ir.registry import Trait
 from fusec.ir.schedule import InstrKind, Schedule
 from fusec.ir.types import Kind
-from fusec.passes._memory_access import BufferMap, expand_ranks
+from fusec.passes.memory_access import BufferMap, expand_ranks
 
 from .executor import init_state, prepare_weights, run_step, store, torch_dtype
 

@@ -1,5 +1,7 @@
 """Access tables for the memory-order verifier: which buffer and version each LOAD/STORE
-touches, which stores overlap a load, and SPMD expansion of compact schedules.
+touches, which stores overlap a load, and SPMD expansion of compact schedules. Public: the
+randomized-order executor (fusec.testing.random_order) keeps its buffers with the same
+`BufferMap` and expands schedules with the same `expand_ranks`.
 
 Buffers: a Region names an SSA value. A value that a registry op updates in place
 (`OpDef.aliases`) lives in the buffer of the operand it aliases, so a state and its per-step

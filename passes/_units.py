@@ -1,0 +1,31 @@
+"""Task families of the `tile` pass's lowering (not a pass): the `Unit` record and the smallest
+task it is worth cutting. Below both `_lowering.py` (fusion groups) and `_collectives.py`
+(collectives, split-sequence attention), which each build units.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fusec.ir.graph import Op
+
+MIN_TASK_BYTES = 128 * 1024     # a task streams at least this much (~4 us at its share vs 1.5 us overhead)
+
+
+@dataclass
+class Unit:
+    """One task family: the tasks of one (part of a) fusion group, or one side of a collective."""
+
+    name: str
+    ops: list[Op]
+    body: str
+    task_ids: list[int] = field(default_factory=list)
+    reads: set[str] = field(default_factory=set)      # values loaded (produced elsewhere)
+    writes: set[str] = field(default_factory=set)     # values stored
+    after: set[str] = field(default_factory=set)      # units that must finish first (WAR edges)
+    deps: set[str] = field(default_factory=set)       # every unit it waits on (set by the toposort)
+    # collectives: named events; pre[i] = [(event, threshold, peer offset or None)], post likewise
+    pre: dict[int, list[tuple[str, int, int | None]]] = field(default_factory=dict)
+    post: dict[int, list[tuple[str, int | None]]] = field(default_factory=dict)
+    named_events: dict[str, int] = field(default_factory=dict)   # event name -> signals per step
+    signals_local: bool = True       # its tasks signal the unit's own event (someone waits on it)
+    collective: bool = False
