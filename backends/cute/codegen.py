@@ -20,7 +20,7 @@ import jinja2
 
 from fusec.passes.target import GPUS
 
-from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ATTN_RES_VECS, ERR_WORDS, KDA_MAX_HEAD_DIM, MLA_MAX_CHUNKS,
+from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ATTN_RES_VECS, ERR_WORDS, MLA_MAX_CHUNKS,
                    MLA_MAX_LORA, MLA_MAX_ROPE, MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS,
                    PF_LOOKAHEAD, ROUTER_MAX_TOPK, ROUTER_PER_LANE, ROW_WORDS, ErrWord, EwOp, ExpertMode, F32Flag, KernelPlan, Word)
 
@@ -52,7 +52,7 @@ def render(plan: KernelPlan) -> str:
         router_max_topk=ROUTER_MAX_TOPK,
         attn_res_max_sources=ATTN_RES_MAX_SOURCES,
         attn_res_vecs=ATTN_RES_VECS,
-        kda_max_d=KDA_MAX_HEAD_DIM,
+        kda_d=plan.kda_head_dim,
         mla_max_lora=MLA_MAX_LORA,
         mla_max_rope=MLA_MAX_ROPE,
         mla_max_chunks=MLA_MAX_CHUNKS,

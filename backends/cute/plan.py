@@ -387,6 +387,9 @@ class KernelPlan:
                     > self.batch * ROUTER_MAX_TOPK):
                 raise ValueError(f"task {t.task_id}: EXPERT_BF16 needs K % 32 == 0 and at most "
                                  f"batch x {ROUTER_MAX_TOPK} (batch row, slot) pairs")
+            if t.opcode == Opcode.KDA and t.k != self.kda_head_dim:
+                raise ValueError(f"task {t.task_id}: KDA head dim {t.k}: every KDA row of a kernel needs "
+                                 f"one head dim ({self.kda_head_dim})")
             if t.opcode == Opcode.KDA and (t.k > KDA_MAX_HEAD_DIM or self.threads % max(1, t.k)
                                            or t.k * t.k % self.threads):
                 raise ValueError(f"task {t.task_id}: KDA head dim {t.k} must be <= {KDA_MAX_HEAD_DIM}, "
@@ -399,8 +402,9 @@ class KernelPlan:
             # 16-byte vector loads: MLA PARTIAL (q_lat, q_pe through its strides, cache rows),
             # ATTN_RES (source, weight and output rows), ARGMAX (logit rows).
             if t.opcode == Opcode.MLA and t.sub == MlaMode.PARTIAL and (
-                    t.k % 8 or t.p2 % 8 or not t.p2 or t.a6 % 8 or t.a7 % 8 or t.a1 % 16):
-                raise ValueError(f"task {t.task_id}: MLA PARTIAL needs kv_lora and rope multiples of 8, "
+                    t.k % 32 or t.p2 % 8 or not t.p2 or t.a6 % 8 or t.a7 % 8 or t.a1 % 16):
+                # kv_lora % 32: a 32-column chunk of the tensor-core dot is all latent or all rope
+                raise ValueError(f"task {t.task_id}: MLA PARTIAL needs kv_lora a multiple of 32, rope of 8, "
                                  "q_pe 16-byte aligned with strides of 8 elements")
             if t.opcode == Opcode.ATTN_RES and t.k > 8 * ATTN_RES_VECS * self.threads:
                 raise ValueError(f"task {t.task_id}: ATTN_RES width {t.k} > {8 * ATTN_RES_VECS * self.threads} "
@@ -434,6 +438,13 @@ class KernelPlan:
     @property
     def num_ctas(self) -> int:
         return len(self.queues)
+
+    @property
+    def kda_head_dim(self) -> int:
+        """The head dim of the KDA rows (one per kernel: the body's state indexing is compiled
+        for it, so its addresses are immediates; KDA_MAX_HEAD_DIM when there are none)."""
+        dims = {t.k for t in self.tasks if t.opcode == Opcode.KDA}
+        return dims.pop() if len(dims) == 1 else KDA_MAX_HEAD_DIM
 
     @property
     def opcodes(self) -> tuple[Opcode, ...]:

@@ -116,15 +116,17 @@ def test_kda_attn_res_append_match_registry():
     assert torch.equal(cache, ref("cache_append", (cache0, row, pos))[0])
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_mla_split_sequence_matches_registry(batch):
-    """Partials of 4 chunks (one chunk past pos stays empty), then the combine waits on them."""
+# (batch, heads, cache rows, chunks): chunks past pos stay empty; 52 and 96 heads take two
+# blocks of the tensor-core body (one partly padded); 50-row chunks take two shared-memory stages.
+@pytest.mark.parametrize("batch,h,length,chunks", [(1, 8, 40, 4), (4, 52, 100, 2), (16, 96, 70, 3)])
+def test_mla_split_sequence_matches_registry(batch, h, length, chunks):
+    """Partials per chunk, then the combine waits on them."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-    h, lora, rope, length, chunks = 8, 512, 64, 40, 4
+    lora, rope = 512, 64
     q_lat, q_pe = (r(batch, h, lora) * 0.05).to(BF), (r(batch, h, rope) * 0.1).to(BF)
     cache = r(batch, length, lora + rope).to(BF)
-    pos = torch.tensor([25, 3, 39, 0][:batch], device="cuda", dtype=torch.int32)
+    pos = torch.tensor([25, 3, 39, 0], device="cuda", dtype=torch.int32).repeat(4)[:batch] * length // 40
     parts = torch.full((chunks, batch, h, lora + 2), float("nan"), device="cuda")
     out = torch.full((batch, h, lora), float("nan"), device="cuda", dtype=BF)   # bf16 like the IR's o_lat
     at = dict(heads=h, nope=128, rope=rope, kv_lora=lora, v_dim=128, scale=0.07)
