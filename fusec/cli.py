@@ -98,7 +98,52 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("model", help="model file (models/kimi_k3.py) or model name")
 
     sub.add_parser("ops", help="list the op registry")
+    _add_report_parser(sub)
+    _add_golden_parser(sub)
     return ap
+
+
+def _add_report_parser(sub) -> None:
+    p = sub.add_parser("report", help="one self-contained HTML page (and JSON) of evidence for a reviewer")
+    _add_model_args(p)
+    p.add_argument("-o", "--out", required=True, help="output folder (report.html, report.json)")
+    p.add_argument("--ranks", type=positive_int, default=1, help="GPUs to shard over (default 1)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch of the schedule and figures (default 1)")
+    p.add_argument("--max-len", type=positive_int, default=4096, help="cache capacity (binds L; default 4096)")
+    p.add_argument("--weights", help="checkpoint folder for the numerics (default: random weights, seed 0)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (numerics: reference bf16 vs fp32; speed not measured) or cuda (the megakernel)")
+    p.add_argument("--orders", type=positive_int, default=8,
+                   help="randomized legal orders to run (default 8; stops early past a 6 s budget, at least 1)")
+    p.add_argument("--ptx-audit", action="store_true",
+                   help="compile the megakernel for sm_90a and audit its PTX (needs the cute extra; ~30 s)")
+
+
+def _add_golden_parser(sub) -> None:
+    g = sub.add_parser("golden", help="record a model's golden outputs, or check a compiled step against them")
+    gs = g.add_subparsers(dest="golden_cmd", required=True, metavar="ACTION", help="record or check")
+    r = gs.add_parser("record", help="fixed prompts, greedy tokens, fp32 reference logits and routing margins")
+    _add_model_args(r)
+    r.add_argument("-o", "--out", required=True, help="golden folder to write")
+    r.add_argument("--update", action="store_true", help="replace an existing golden record (never done otherwise)")
+    r.add_argument("--weights", help="checkpoint folder (default: random weights from --seed)")
+    r.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random weights (default 0)")
+    r.add_argument("--batch", type=positive_int, action="append", help="batch sizes (repeatable; default 1 and 4)")
+    r.add_argument("--steps", type=positive_int, default=8, help="decode steps per batch (default 8)")
+    r.add_argument("--device", default="cpu", help="device of the fp32 reference (default cpu)")
+    c = gs.add_parser("check", help="compare a compiled step with a golden record; exit 1 on a difference")
+    c.add_argument("golden", help="golden folder written by `fusec golden record`")
+    c.add_argument("model", nargs="?", help="model to check (default: the one recorded); another model or "
+                                            "config is refused")
+    c.add_argument("--config", help="named config of MODEL")
+    c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field of MODEL (repeatable)")
+    c.add_argument("--backend", default="reference", choices=["reference", "cute"],
+                   help="reference: torch executor (fp32 unless --precision); cute: the megakernel (bf16)")
+    c.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default cpu; cuda for --backend cute)")
+    c.add_argument("--precision", choices=["fp32", "bf16"], help="candidate arithmetic (default fp32; cute: bf16)")
+    c.add_argument("--weights", help="check other weights (checkpoint folder) against the record")
+    c.add_argument("--batch", type=positive_int, action="append", help="check only these recorded batch sizes")
+    c.add_argument("--json", help="also write the verdict as JSON to this file")
 
 
 def version() -> str:
@@ -194,12 +239,53 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from fusec.loader import parse_overrides
+    from fusec.report import build_report
+    t0 = time.perf_counter()
+    paths = build_report(args.model, args.config, parse_overrides(args.set), out=args.out, ranks=args.ranks,
+                         batch=args.batch, max_len=args.max_len, weights=args.weights, device=args.device,
+                         orders=args.orders, ptx_audit=args.ptx_audit, argv=args.argv)
+    for p in paths:
+        print(f"wrote {p}")
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_golden(args) -> int:
+    from fusec.loader import parse_overrides
+    from fusec.testing import golden
+    overrides = parse_overrides(args.set)
+    if args.golden_cmd == "record":
+        import shlex
+        golden.refuse_overwrite(args.out, args.update)     # before minutes of work, not after
+        rec = golden.record(args.model, args.config, overrides=overrides, weights=args.weights, seed=args.seed,
+                            batches=args.batch or golden.DEFAULT_BATCHES, steps=args.steps, device=args.device,
+                            command=shlex.join(["fusec", *args.argv]))
+        for p in rec.save(args.out, update=args.update):
+            print(f"wrote {p}")
+        return 0
+    device = args.device or ("cuda" if args.backend == "cute" else "cpu")
+    if args.model is None and (args.config or overrides):
+        raise ValueError("--config and --set name a model: give MODEL too (or leave all three out)")
+    v = golden.check(golden.Golden.load(args.golden), backend=args.backend, device=device, precision=args.precision,
+                     model=args.model, config=args.config, overrides=overrides, weights=args.weights,
+                     batches=args.batch)
+    print(v.text())
+    if args.json:
+        import json
+        from fusec.outputs import write_text
+        write_text(args.json, json.dumps(v.to_dict(), indent=1) + "\n")
+    return 0 if v.ok else 1
+
+
 COMMANDS = {"compile": cmd_compile, "run": cmd_run, "verify": cmd_verify, "simulate": cmd_simulate,
-            "configs": cmd_configs, "ops": cmd_ops}
+            "configs": cmd_configs, "ops": cmd_ops, "report": cmd_report, "golden": cmd_golden}
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)     # the exact command, for what it records
     try:
         rc = COMMANDS[args.cmd](args)
         sys.stdout.flush()    # a closed pipe shows up here, not at exit
