@@ -14,7 +14,7 @@ For each case (model:config) and batch:
     free-running reference (its own state since step 0), beside (c) the same bf16 reference run on
     the CPU against the GPU one: the free-running drift that another fp32 summation order alone
     causes in this random model (its noise floor);
-  - one extra step through the per-op bisection (backends/cute/bisect.py): the worst local error
+  - one extra step through the per-op bisection (fusec/debug/bisect.py): the worst local error
     of every op kind, on the kernel's own inputs;
   - delay injection (--delay-ns, selected cases at their largest batch): the plan recompiled with
     producers sleeping before they write, the same steps from fresh state, same comparison;
@@ -35,7 +35,7 @@ import traceback
 import torch
 
 import fusec
-from fusec.backends.cute.bisect import LOGITS_TOL, RouteAlign, bisect_step, logits_run_ok, sync_state
+from fusec.debug.bisect import LOGITS_TOL, RouteAlign, bisect_step, logits_run_ok, sync_state
 from fusec.backends.cute.workloads import rel_err
 
 MODELS = {"llama": "llama.py", "kimi_k3": "kimi_k3.py"}

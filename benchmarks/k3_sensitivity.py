@@ -23,9 +23,9 @@ import sys
 
 import torch
 
-from fusec.api import ReferenceRunner
-from fusec.backends.cute.bisect import RouteReplay
-from fusec.backends.cute.runner import lower_graph
+from fusec.backends.reference.runner import ReferenceRunner
+from fusec.debug.bisect import RouteReplay
+from fusec.compiler import lower_for_cute
 from fusec.backends.reference.ranks import materialize_weights
 from fusec.loader import load_graph
 from fusec.weights import random_weights
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import fusec.models as m
     g, module = load_graph(os.path.join(os.path.dirname(m.__file__), "kimi_k3.py"), "tiny")
-    prog, _ = lower_graph(g, args.batch, 16)
+    prog, _ = lower_for_cute(g, args.batch, 16)
     pg = prog.graph
     # the weights fusec.compile draws on the CPU (seed 0, the model's init rules)
     w = materialize_weights(pg, random_weights(g, 0, getattr(module, "WEIGHT_INIT", ())), 0, "bf16")

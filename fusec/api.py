@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from fusec.backends.reference.executor import first_nonfinite_op, init_state, prepare_weights, run_step
+from fusec.backends.reference.runner import ReferenceRunner
 from fusec.extras import require_cute
 from fusec.ir.graph import Graph
 from fusec.ir.verify import verify_graph
@@ -38,35 +38,14 @@ class Runner(Protocol):
     def reset(self) -> None: ...
 
 
-class ReferenceRunner:
-    """Runs the graph op by op in torch (CPU or CUDA)."""
-
-    def __init__(self, graph: Graph, weights: dict, dims: dict, device: str, precision: str):
-        self.graph, self.dims, self.device, self.precision = graph, dims, device, precision
-        self.weights = prepare_weights(graph, weights, precision, device)
-        self.reset()
-
-    def reset(self) -> None:
-        self.state = init_state(self.graph, self.dims, self.device, self.precision)
-        self.last_env = None
-
-    def run(self, tokens, positions, hook=None):
-        # The step's values are kept until the next step (execute holds them all anyway), so a
-        # non-finite result can be traced to the op that produced it at no cost when all is well.
-        self.last_env = {}
-        return run_step(self.graph, self.weights, self.state, {"tokens": tokens, "pos": positions},
-                        self.dims, self.precision, hook, env_out=self.last_env)
-
-    def explain_nonfinite(self) -> str | None:
-        """'op NAME -> %value' for the first op of the last step whose result was non-finite."""
-        hit = first_nonfinite_op(self.graph, self.last_env or {})
-        return None if hit is None else f"first produced by op {hit[0].opname} -> %{hit[1]}"
-
-
 def _cute_runner(graph, weights, dims, device, precision):
-    # Imported on use: cutlass is only needed when the cute backend is picked.
+    # The backend receives the lowered program: the driver runs the pipeline. Imported on use:
+    # cutlass is only needed when the cute backend is picked.
     from fusec.backends.cute.runner import CuteRunner
-    return CuteRunner(graph, weights, dims, device, precision)
+    from fusec.compiler import lower
+    from fusec.passes.options import Options
+    prog = lower(graph, Options.from_env(batch=int(dims["B"]), max_len=int(dims["L"])))
+    return CuteRunner(prog, weights, dims, device, precision)
 
 
 BACKENDS = {"reference": ReferenceRunner, "cute": _cute_runner}

@@ -130,6 +130,16 @@ def lower(graph, opts: Options, passes: str = "default", progress=None):
     return prog
 
 
+def lower_for_cute(graph, batch: int, max_len: int, sms: int | None = None):
+    """Graph -> (program after the default pipeline, the cute backend's `Lowered`: memory plan and
+    task table). The program is what `CuteRunner` receives; tests and benchmarks read both."""
+    from fusec.backends.cute.lower import lower_schedule
+    prog = lower(graph, Options.from_env(batch=batch, max_len=max_len, sms=sms))
+    if prog.schedule is None:
+        raise ValueError("the pipeline produced no schedule for the cute backend")
+    return prog, lower_schedule(prog.schedule)
+
+
 def stage_text(prog) -> str:
     if prog.schedule is not None and prog.notes.get("scheduled"):
         from fusec.ir.schedule_text import print_schedule

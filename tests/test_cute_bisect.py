@@ -1,4 +1,4 @@
-"""The per-op bisection of a megakernel step (backends/cute/bisect.py), driven on the CPU by the
+"""The per-op bisection of a megakernel step (fusec/debug/bisect.py), driven on the CPU by the
 task-table interpreter (tests/cute_table_interp.py) in place of the GPU kernel.
 
 - a correct table: every value the table writes equals the registry reference on its own inputs
@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 
 from cute_table_interp import interp_on_arena
-from fusec.backends.cute.bisect import bisect_step, format_report
+from fusec.debug.bisect import bisect_step, format_report
 from fusec.backends.cute.plan import EwOp, Opcode
-from fusec.backends.cute.runner import lower_graph
+from fusec.compiler import lower_for_cute
 from fusec.backends.reference.ranks import materialize_weights
 from fusec.models import kimi_k3
 from fusec.weights import random_weights
@@ -27,7 +27,7 @@ B, L = 2, 16
 @pytest.fixture(scope="module")
 def k3():
     g = kimi_k3.build_graph("tiny")
-    prog, low = lower_graph(g, B, L)
+    prog, low = lower_for_cute(g, B, L)
     W = materialize_weights(prog.graph, random_weights(g, 0, kimi_k3.WEIGHT_INIT), 0, "bf16")
     return prog, low, W
 
@@ -94,7 +94,7 @@ def _router_case():
 
 
 def test_route_align_follows_near_ties_and_flags_real_errors():
-    from fusec.backends.cute.bisect import RouteAlign
+    from fusec.debug.bisect import RouteAlign
 
     op, ins, ref_outs = _router_case()
     assert sorted(ref_outs[1][0].tolist()) == [0, 1]
@@ -112,7 +112,7 @@ def test_route_align_follows_near_ties_and_flags_real_errors():
 
 
 def test_rel_err_matches_infinities_exactly():
-    from fusec.backends.cute.bisect import rel_err
+    from fusec.debug.bisect import rel_err
 
     ref = torch.tensor([1.0, float("-inf"), 2.0])
     assert rel_err(torch.tensor([1.0, float("-inf"), 2.0]), ref) == 0.0     # empty chunk: m = -inf both
@@ -128,7 +128,8 @@ def test_fp32_oracle_from_the_kernel_state(k3):
     not zero), and the oracle starts from the pre-step state even for the arena's fp32 state
     (KDA), which `.float()` would alias (the oracle then starts from the kernel's post-step
     state: 0.39 here), and never writes the arena."""
-    from fusec.backends.cute.bisect import RouteAlign, arena_reference, sync_state
+    from fusec.backends.cute.runner import arena_reference
+    from fusec.debug.bisect import RouteAlign, sync_state
     prog, low, W = k3
     pg = prog.graph
     bound, it = interp_on_arena(low, W)
@@ -161,8 +162,8 @@ def _gate_run(pg, W, kernel_hook, steps=8, batch=1):
     """Per step (kernel vs bf16 reference, kernel vs fp32, bf16 reference vs fp32) where the
     'kernel' is the bf16 reference with `kernel_hook` applied to its op outputs, and the other
     two start each step from its state on its experts, as the GPU checks do."""
-    from fusec.api import ReferenceRunner
-    from fusec.backends.cute.bisect import RouteReplay
+    from fusec.backends.reference.runner import ReferenceRunner
+    from fusec.debug.bisect import RouteReplay
 
     dims = {"B": batch, "L": L}
     K, R, X = (ReferenceRunner(pg, W, dims, "cpu", p) for p in ("bf16", "bf16", "fp32"))
@@ -191,10 +192,10 @@ def test_logits_gate_tells_rounding_from_a_bug():
     (a real bug) is rejected although some of its steps are under 2e-2 and others under the 5e-2
     ceiling (mean fp32 distance 2.5x the reference's). Not asserted: 3% low sits at the margin
     (1.24x), inside this model's noise; the per-op local check is the sharp test for that."""
-    from fusec.backends.cute.bisect import LOGITS_TOL, logits_run_ok
+    from fusec.debug.bisect import LOGITS_TOL, logits_run_ok
 
     g = kimi_k3.build_graph("tiny")
-    prog, _ = lower_graph(g, 1, L)
+    prog, _ = lower_for_cute(g, 1, L)
     pg = prog.graph
     W = materialize_weights(pg, random_weights(g, 0, kimi_k3.WEIGHT_INIT), 0, "bf16")
 

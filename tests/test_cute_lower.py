@@ -24,7 +24,7 @@ from cute_table_interp import Deadlock, interp_on_arena
 from fusec.backends.cute.lower import LoweringError, lower_schedule, unsupported_ops
 from fusec.backends.cute.memory import ALIGN
 from fusec.backends.cute.plan import NO_EVENT, ExpertMode, Opcode
-from fusec.backends.cute.runner import lower_graph
+from fusec.compiler import lower_for_cute
 from fusec.backends.reference.executor import init_state, run_step
 from fusec.backends.reference.ranks import materialize_weights
 from fusec.compiler import lower
@@ -38,7 +38,7 @@ L = 16
 @pytest.fixture(scope="module", params=[1, 3])
 def llama_low(request):
     g = llama.build_graph("tiny")
-    prog, low = lower_graph(g, request.param, L)
+    prog, low = lower_for_cute(g, request.param, L)
     return g, prog, low
 
 
@@ -56,7 +56,7 @@ def test_memory_plan_views_and_offsets(llama_low):
     # cache_append updates the state in place
     assert mem.view("l0.k_cache").region == "layers.0.attn.k_cache"
     # the same graph gives the same plan (deterministic offsets)
-    _, low2 = lower_graph(llama.build_graph("tiny"), low.batch, L)
+    _, low2 = lower_for_cute(llama.build_graph("tiny"), low.batch, L)
     assert low2.memory.describe() == mem.describe()
 
 
@@ -178,7 +178,7 @@ def test_planted_wrong_address_is_caught(llama_low):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_k3_tiny_lowered_table_matches_reference(batch):
     g = kimi_k3.build_graph("tiny")
-    prog, low = lower_graph(g, batch, L)
+    prog, low = lower_for_cute(g, batch, L)
     errs, same = _interp_run(g, prog, low, steps=8, seed=0, module=kimi_k3)
     assert max(errs) == 0.0 and same, errs     # the reference's rounding points: bit for bit
 
@@ -189,7 +189,7 @@ def test_k3_tiny_bf16_experts_grouped_rows_match_reference(batch):
     step for a slice of output rows (the body groups the pairs by expert after routing); the
     table still computes the reference's numbers bit for bit."""
     g = kimi_k3.build_graph("tiny", expert_dtype="bf16")
-    prog, low = lower_graph(g, batch, L)
+    prog, low = lower_for_cute(g, batch, L)
     rows = [r for r in low.rows if r.opcode == Opcode.EXPERT_BF16]
     assert rows and not any(r.opcode == Opcode.EXPERT_MXFP4 for r in low.rows)
     topk = rows[0].p1
@@ -213,7 +213,7 @@ def test_k3_tiny_bf16_experts_grouped_rows_match_reference(batch):
 def test_k3_split_sequence_mla_lowers_and_matches():
     """A cache long enough for split-sequence MLA (partials + combine, passes/tile.py)."""
     g = kimi_k3.build_graph("tiny")
-    prog, low = lower_graph(g, 4, 512)
+    prog, low = lower_for_cute(g, 4, 512)
     ops = {op.opname for op in prog.graph.ops}
     assert {"mla_attention_partial", "attention_combine"} <= ops
     chunks = {r.p1 for r in low.rows if r.opcode == Opcode.MLA}
@@ -239,7 +239,7 @@ def _cutlass():
 @pytest.mark.parametrize("model", [kimi_k3, llama], ids=["k3_tiny", "llama_tiny"])
 def test_kernel_source_snapshot(snapshot, model):
     from fusec.backends.cute.codegen import render
-    _, low = lower_graph(model.build_graph("tiny"), 1, L)
+    _, low = lower_for_cute(model.build_graph("tiny"), 1, L)
     src = render(low.plan())
     assert "/tmp" not in src and "/work" not in src
     assert src == snapshot
@@ -248,7 +248,7 @@ def test_kernel_source_snapshot(snapshot, model):
 def test_k3_tiny_compiles_for_sm90a_and_passes_audit(tmp_path):
     _cutlass()
     from fusec.backends.cute.ptx_audit import audit_plan
-    _, low = lower_graph(kimi_k3.build_graph("tiny"), 1, L)
+    _, low = lower_for_cute(kimi_k3.build_graph("tiny"), 1, L)
     plan = low.plan()
     assert {o.name for o in plan.opcodes} >= {"ATTN_RES", "EXPERT_MXFP4", "KDA", "MLA", "ROUTER", "ARGMAX"}
     rep = audit_plan(plan, tmp_path)
@@ -286,7 +286,7 @@ def test_delay_and_profile_variants_compile_and_pass_the_audit(tmp_path):
     _cutlass()
     from fusec.backends.cute.codegen import compile_key, render
     from fusec.backends.cute.ptx_audit import audit_plan
-    _, low = lower_graph(llama.build_graph("tiny"), 2, L)
+    _, low = lower_for_cute(llama.build_graph("tiny"), 2, L)
     plan = low.plan()
     variant = dataclasses.replace(plan, delay_ns=20_000, profile=True)
     src = render(variant)

@@ -15,7 +15,13 @@ import pathlib
 import shutil
 import time
 
-from fusec.outputs import write_text
+
+def _write_text(path: pathlib.Path, text: str) -> pathlib.Path:
+    # Plain writes: `fusec compile` stages the whole output folder and moves it in only once
+    # everything is written (fusec.outputs.staged_dir), so a failure leaves no half of it.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
 
 
 def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]:
@@ -37,15 +43,15 @@ def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]
     rep = audit_dir(dump, expect_signals=any(t.signal_event >= 0 for t in plan.tasks))
     written = []
     stem = plan.name
-    written.append(write_text(out / f"{stem}.py", module.read_text()))
+    written.append(_write_text(out / f"{stem}.py", module.read_text()))
     ptx = sorted(dump.rglob("*.ptx"))
-    written.append(write_text(out / f"{stem}.ptx", "\n".join(p.read_text() for p in ptx)))
-    written.append(write_text(out / "task_table.txt", low.table_text() + "\n"))
-    written.append(write_text(out / "memory_plan.txt", low.memory.describe() + "\n"))
+    written.append(_write_text(out / f"{stem}.ptx", "\n".join(p.read_text() for p in ptx)))
+    written.append(_write_text(out / "task_table.txt", low.table_text() + "\n"))
+    written.append(_write_text(out / "memory_plan.txt", low.memory.describe() + "\n"))
     audit = "\n".join([rep.summary(), *("  " + v for v in rep.violations),
                        f"bodies: {', '.join(o.name for o in plan.opcodes)}",
                        f"cpu compile (sm_90a, ptxas): {secs:.1f} s"])
-    written.append(write_text(out / "audit.txt", audit + "\n"))
+    written.append(_write_text(out / "audit.txt", audit + "\n"))
     if aot:
         compiled.export_to_c(file_path=str(out), file_name=stem, function_prefix=stem)
         written += sorted(p for p in out.iterdir() if p.suffix in (".h", ".o"))

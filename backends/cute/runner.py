@@ -1,7 +1,8 @@
 """CuteRunner: a whole decode step as one CuTe megakernel launch (fusec.api backend "cute").
 
-    graph -> pipeline (fuse, tile, schedule, verify) -> Schedule -> lower_schedule -> memory plan
-    + task table -> Megakernel (one persistent launch per step)
+    program (after the pipeline: fuse, tile, schedule, verify; run by the driver, fusec.compiler)
+    -> Schedule -> lower_schedule -> memory plan + task table -> Megakernel (one persistent
+    launch per step)
 
 Weights of the lowered graph (merged projections from their `sources`) are copied into the
 arena once; state (caches) lives in the arena and is zeroed by `reset()`. Every `run` writes the
@@ -11,41 +12,55 @@ outputs. The kernel computes in bf16 (fp32 accumulation): precision "fp32" is re
 """
 from __future__ import annotations
 
-from fusec.passes.options import Options
 from fusec.ir.graph import Graph
+from fusec.ir.types import DType
 
 from .plan import ERR_WORDS, ErrWord
 
 
-def lower_graph(graph: Graph, batch: int, max_len: int, sms: int | None = None):
-    """Graph -> (program after the default pipeline, Lowered)."""
-    from fusec.compiler import lower
+def arena_weights(graph: Graph, bound) -> dict:
+    """The weights exactly as the kernel reads them (MXFP4 rebuilt from its packed/scale regions)."""
+    from fusec.ir.quant import MXFP4Tensor
 
-    from .lower import lower_schedule
+    out = {}
+    for v in graph.weights():
+        if v.type.dtype is DType.mxfp4:
+            out[v.name] = MXFP4Tensor(bound.tensor(v.name), bound.tensor(v.name + ".scale"))
+        else:
+            out[v.name] = bound.tensor(v.name)
+    return out
 
-    prog = lower(graph, Options.from_env(batch=batch, max_len=max_len, sms=sms))
-    if prog.schedule is None:
-        raise ValueError("the pipeline produced no schedule for the cute backend")
-    return prog, lower_schedule(prog.schedule)
+
+def arena_reference(graph: Graph, bound, dims, device, precision: str = "bf16"):
+    """A ReferenceRunner over `graph` reading the arena's own weights: the oracle with the
+    kernel's rounding points (bf16), or the same step computed in fp32 (how far each bf16 run is
+    from the exact step). Its state is set per step with `fusec.debug.bisect.sync_state`."""
+    from fusec.backends.reference.runner import ReferenceRunner
+
+    return ReferenceRunner(graph, arena_weights(graph, bound), dims, device, precision)
 
 
 class CuteRunner:
     """fusec.api Runner: `run(tokens, positions) -> [logits, next_tokens]`, `reset()`."""
 
-    def __init__(self, graph: Graph, weights: dict, dims: dict, device: str, precision: str, *,
+    def __init__(self, program, weights: dict, dims: dict, device: str, precision: str, *,
                  plan_options: dict | None = None, out_dir=None):
+        """`program`: a `fusec.passes.manager.Program` after the default pipeline (its schedule
+        is lowered here), e.g. from `fusec.compiler.lower`; `weights`: of the model's graph."""
         import torch
 
         from fusec.backends.reference.ranks import materialize_weights
-        from .lower import bind_weights
+        from .lower import bind_weights, lower_schedule
         from .runtime import Megakernel
 
         if precision != "bf16":
             raise ValueError("backend 'cute' computes in bf16 (fp32 accumulation); use precision='bf16'")
         if not str(device).startswith("cuda"):
             raise ValueError("backend 'cute' needs device='cuda'")
-        self.graph, self.dims, self.device = graph, dims, device
-        self.program, self.lowered = lower_graph(graph, int(dims["B"]), int(dims["L"]))
+        if program.schedule is None:
+            raise ValueError("the pipeline produced no schedule for the cute backend")
+        self.dims, self.device = dims, device
+        self.program, self.lowered = program, lower_schedule(program.schedule)
         g = self.program.graph
         self.mem = self.lowered.memory.bind(device)
         with torch.no_grad():
@@ -66,9 +81,7 @@ class CuteRunner:
         reading the arena's own weights (no copy on the kernel's device): the oracle with the
         kernel's rounding points. That those passes preserve the model is tested separately, in
         fp32 (tests/test_mla_absorb.py, tests/test_passes_graph.py). precision="fp32": the same
-        graph and weights computed in fp32 (sync its state with `bisect.sync_state`)."""
-        from .bisect import arena_reference
-
+        graph and weights computed in fp32 (sync its state with `fusec.debug.bisect.sync_state`)."""
         return arena_reference(self.program.graph, self.mem, self.dims, device or self.device, precision)
 
     def reset(self) -> None:

@@ -63,7 +63,7 @@ def execute(graph: Graph, weights: Mapping, state: Mapping, inputs: Mapping[str,
     """Evaluate every op; returns the environment of all values by name. Nothing is mutated.
 
     `hook(op, inputs, outputs) -> outputs`, if given, sees (and may replace) each op's results,
-    e.g. to follow another executor's expert choices at router near-ties (backends/cute/bisect.py)."""
+    e.g. to follow another executor's expert choices at router near-ties (fusec/debug/bisect.py)."""
     env: dict[str, object] = {}
     for v in graph.params:
         if v.kind is Kind.weight:

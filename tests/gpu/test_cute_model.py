@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 from _needs_cute import torch  # noqa: E402  (skips this module without CUDA or the CuTe DSL)
 
 import fusec  # noqa: E402
-from fusec.backends.cute.bisect import RouteAlign, logits_run_ok, sync_state  # noqa: E402
+from fusec.debug.bisect import RouteAlign, logits_run_ok, sync_state  # noqa: E402
 from fusec.backends.cute.plan import NO_EVENT  # noqa: E402
 from fusec.backends.cute.runtime import Megakernel, MegakernelTimeout  # noqa: E402
 from fusec.models import kimi_k3, llama  # noqa: E402
@@ -84,7 +84,7 @@ def test_k3_every_op_matches_its_reference_locally_at_every_step(batch):
     rounding of the op's registry reference (bisect.py), and integer results exact. This is the
     check that does not depend on how much the random tiny model amplifies one rounding flip
     (see test_tiny_steps_match_reference)."""
-    from fusec.backends.cute.bisect import bisect_step, format_report
+    from fusec.debug.bisect import bisect_step, format_report
     run = fusec.compile(kimi_k3.__file__, "tiny", backend="cute", batch=batch, max_len=16, device="cuda").runner
     gen = torch.Generator().manual_seed(batch)
     for s in range(8):
@@ -103,7 +103,7 @@ def test_delay_injection_still_matches():
     """Producers sleep before they write (plan.delay_ns): 4 steps op by op, activations poisoned
     before each step, so a read that is not ordered after its producer sees NaN or stale data
     and fails its op's local check (robust to the random model's amplification, unlike logits)."""
-    from fusec.backends.cute.bisect import bisect_step, format_report
+    from fusec.debug.bisect import bisect_step, format_report
     run = fusec.compile(kimi_k3.__file__, "tiny", backend="cute", batch=4, max_len=16, device="cuda").runner
     mk = Megakernel(dataclasses.replace(run.plan, delay_ns=20_000))
     gen = torch.Generator().manual_seed(9)

@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from fusec.backends.cute.runner import arena_weights
 from fusec.ir.graph import Graph
-from fusec.ir.types import DType, Kind
+from fusec.ir.types import Kind
 
 _UNTOUCHED = (Kind.weight, Kind.state, Kind.io)
 
@@ -54,28 +55,6 @@ def _written(t) -> str:
     bad = t.isnan() if t.dtype.is_floating_point else (t == -1)
     n = int(bad.sum())
     return "ok" if n == 0 else ("unwritten" if n == t.numel() else "partial")
-
-
-def arena_weights(graph: Graph, bound) -> dict:
-    """The weights exactly as the kernel reads them (MXFP4 rebuilt from its packed/scale regions)."""
-    from fusec.ir.quant import MXFP4Tensor
-
-    out = {}
-    for v in graph.weights():
-        if v.type.dtype is DType.mxfp4:
-            out[v.name] = MXFP4Tensor(bound.tensor(v.name), bound.tensor(v.name + ".scale"))
-        else:
-            out[v.name] = bound.tensor(v.name)
-    return out
-
-
-def arena_reference(graph: Graph, bound, dims, device, precision: str = "bf16"):
-    """A ReferenceRunner over `graph` reading the arena's own weights: the oracle with the
-    kernel's rounding points (bf16), or the same step computed in fp32 (how far each bf16 run is
-    from the exact step). Its state is set per step with `sync_state`."""
-    from fusec.api import ReferenceRunner
-
-    return ReferenceRunner(graph, arena_weights(graph, bound), dims, device, precision)
 
 
 def sync_state(runner, bound, names) -> None:
