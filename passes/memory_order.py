@@ -25,6 +25,7 @@ import numpy as np
 from fusec.ir.schedule import Instr, InstrKind, Schedule, Scope, Sem
 from fusec.ir.types import Kind
 
+from ._clean_loads import clear_loads
 from ._derive import Derived, structure
 from ._rules import Rule, Violation
 from .memory_access import Access, expand_ranks, region_str
@@ -263,8 +264,9 @@ def v1_v2_producers(s: Schedule, hb: HappensBefore, acc: Access) -> list[Violati
     a later version of that region first.  V2: a producer that is ordered only by a WAIT placed
     after the LOAD means the load was hoisted above its wait."""
     out = []
-    for ld in acc.loads:
-        if ld.kind in (Kind.weight,) or ld.is_input:
+    clear, _ = _cleared(hb, acc)
+    for ld, ok in zip(acc.loads, clear):
+        if ok or ld.kind in (Kind.weight,) or ld.is_input:
             continue
         same, later = acc.writers(ld)
         missing = [] if acc.all_before(ld) else [st for st in same if not acc.store_before_load(st, ld)]
@@ -295,6 +297,15 @@ def v1_v2_producers(s: Schedule, hb: HappensBefore, acc: Access) -> list[Violati
     return out
 
 
+def _cleared(hb: HappensBefore, acc: Access):
+    """Per load: (cannot break V1/V2, cannot break V4), from the vectorized pre-check
+    (`_clean_loads`); the rules' own code runs on the other loads only."""
+    got = getattr(acc, "_cleared", None)
+    if got is None:
+        got = acc._cleared = clear_loads(hb, acc)
+    return got
+
+
 def v3_addressed_loads(s: Schedule, hb: HappensBefore, acc: Access) -> list[Violation]:
     """V3: a LOAD addressed by a run-time value (Instr.addressed_by) happens after every store
     of that value, even when it loads a weight."""
@@ -316,8 +327,9 @@ def v4_races(s: Schedule, hb: HappensBefore, acc: Access) -> list[Violation]:
     the next step could issue before this step's reader consumed it (counters are monotonic,
     ranks drift by up to a step; a rank's next step starts after all its own tasks)."""
     out = []
-    for ld in acc.loads:
-        if ld.kind is Kind.weight or ld.is_input:
+    _, clear = _cleared(hb, acc)
+    for ld, ok in zip(acc.loads, clear):
+        if ok or ld.kind is Kind.weight or ld.is_input:
             continue
         same, later = acc.writers(ld)
         for st in later:
