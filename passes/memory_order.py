@@ -172,47 +172,58 @@ class HappensBefore:
         cur: list[np.ndarray | None] = [None] * nq
         ready = deque(range(nq))
         self.end = np.full((nq, width), -1, dtype=self.dtype)  # per queue: vc after its last task
+        WAIT, SIGNAL = InstrKind.WAIT, InstrKind.SIGNAL
+        tasks, vcs_of, full, ckey, roll = s.tasks, self.vc, self.full, self.ckey, self.roll
+        queues = [s.queues[k] for k in self.qkeys]
         while ready:
             q = ready.popleft()
-            queue = s.queues[self.qkeys[q]]
-            while ptr[q][0] < len(queue):
-                p, ii = ptr[q]
-                task = s.tasks[queue[p]]
+            queue = queues[q]
+            p, ii = ptr[q]
+            blocked = False
+            while p < len(queue):
+                task = tasks[queue[p]]
+                instrs = task.instrs
                 if ii == 0:
                     v = np.full(width, -1, dtype=self.dtype) if cur[q] is None else cur[q].copy()
                     v[q] = p - 1
                     cur[q] = v
-                    self.vc[task.id] = [None] * len(task.instrs)
-                if ii == len(task.instrs):
-                    self.done.add(task.id)
-                    ptr[q] = [p + 1, 0]
-                    continue
-                ins = task.instrs[ii]
-                if ins.kind is InstrKind.WAIT:
-                    tg = target(task, ins)
-                    key = self.ckey(tg, ins.event)
-                    if counter[key] < ins.threshold:
-                        waiting[key].append(q)
-                        break
-                    if self.full(key, ins.threshold):
-                        cur[q] = np.maximum(cur[q], self.roll(evc[key], tg - task.rank))
-                elif ins.kind is InstrKind.SIGNAL:
-                    tg = target(task, ins)
-                    key = self.ckey(tg, ins.event)
-                    counter[key] += 1
-                    mine = cur[q].copy()
-                    mine[q] = max(mine[q], p)
-                    mine = self.roll(mine, task.rank - tg)
-                    e = evc.get(key)
-                    evc[key] = mine if e is None else np.maximum(e, mine)
-                    ready.extend(waiting.pop(key, []))
-                self.vc[task.id][ii] = cur[q]
-                ptr[q][1] += 1
+                    vcs = vcs_of[task.id] = [None] * len(instrs)
+                else:
+                    vcs = vcs_of[task.id]
+                c = cur[q]
+                for ii in range(ii, len(instrs)):
+                    ins = instrs[ii]
+                    kind = ins.kind
+                    if kind is WAIT:
+                        tg = ins.peer if ins.peer is not None else task.rank
+                        key = ckey(tg, ins.event)
+                        if counter[key] < ins.threshold:
+                            waiting[key].append(q)
+                            blocked = True
+                            break
+                        if full(key, ins.threshold):
+                            c = cur[q] = np.maximum(c, roll(evc[key], tg - task.rank))
+                    elif kind is SIGNAL:
+                        tg = ins.peer if ins.peer is not None else task.rank
+                        key = ckey(tg, ins.event)
+                        counter[key] += 1
+                        mine = c.copy()
+                        mine[q] = max(mine[q], p)
+                        mine = roll(mine, task.rank - tg)
+                        e = evc.get(key)
+                        evc[key] = mine if e is None else np.maximum(e, mine)
+                        ready.extend(waiting.pop(key, []))
+                    vcs[ii] = c
+                if blocked:
+                    ptr[q] = [p, ii]
+                    break
+                self.done.add(task.id)
+                p, ii = p + 1, 0
             else:
+                ptr[q] = [p, 0]
                 if cur[q] is not None:
                     self.end[q] = cur[q]
                     self.end[q][q] = len(queue) - 1
-                continue
         for q in range(nq):
             queue = s.queues[self.qkeys[q]]
             if ptr[q][0] < len(queue):
