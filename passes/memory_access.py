@@ -166,13 +166,16 @@ class Access:
             vcs = hb.vc.get(t.id)
             if vcs is None:
                 continue
+            daddr = None        # the task's derived addressing, looked up at its first load
             for k, i in enumerate(t.instrs):
                 if (i.kind is not LOAD and i.kind is not STORE) or vcs[k] is None:
                     continue
                 addr = ()
                 if i.kind is LOAD:
-                    d = derived.addr(t).get(root[i.region.tensor][0]) if derived is not None else None
-                    addr = tuple(x for x in dict.fromkeys((d, i.addressed_by)) if x)
+                    if daddr is None:
+                        daddr = derived.addr(t) if derived is not None else {}
+                    d, a = daddr.get(root[i.region.tensor][0]), i.addressed_by
+                    addr = () if not d and not a else (d,) if not a or a == d else (a,) if not d else (d, a)
                     if not addr and kinds.get(root[i.region.tensor][0]) is weight:
                         continue    # a plain weight read: no rule looks at it (V3 needs the addressed ones)
                 buf, ver = self.bm.access(t, i.region.tensor, i.kind is STORE)
