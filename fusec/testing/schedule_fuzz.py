@@ -39,6 +39,11 @@ WEIGHTS = {("llama", 1): 2, ("llama", 2): 1.5, ("llama", 8): 1, ("kimi_k3", 1): 
            ("kimi_k3", 8): 1}
 
 
+# rough seconds per edit (oracle + verifier), for ordering the work
+COST = {("llama", 1): 0.02, ("llama", 2): 0.05, ("llama", 8): 0.2, ("kimi_k3", 1): 0.25, ("kimi_k3", 2): 0.4,
+        ("kimi_k3", 8): 1.5}
+
+
 class Skip(Exception):
     """This schedule has no site for this kind of edit."""
 
@@ -560,6 +565,9 @@ KINDS = {
 
 
 # -- the two judges --------------------------------------------------------------------------------
+_LAST_RESORT = "the verifier cannot analyse it"
+
+
 def verify(s: Schedule, text: bool):
     """(rejected, rules, crash traceback or None, text verdict or None)."""
     from fusec.passes.memory_order import check_schedule
@@ -568,6 +576,8 @@ def verify(s: Schedule, text: bool):
     except Exception:
         return True, [], "object: " + traceback.format_exc(limit=4), None
     rejected, rules = (not rep.ok), sorted(rep.rules())
+    if any(_LAST_RESORT in e.message for e in rep.errors):     # a rule's code raised; check_schedule caught it
+        rules.append("internal")
     if not text:
         return rejected, rules, None, None
     from fusec.ir.schedule_text import ScheduleSyntaxError, parse_schedule, print_schedule
@@ -647,6 +657,7 @@ def one_edit(model, ranks, kind, seed, text_share=0.05, explicit_share=0.25):
     t2 = time.perf_counter()
     return {"config": f"{model} R={ranks}", "kind": kind, "seed": seed, "explicit": explicit, "edit": what,
             "oracle": v.kind, "unsafe": v.unsafe, "oracle_why": v.why, "runs": v.runs,
+            "unproven": v.unproven, "undecided": v.undecided,
             "rejected": rejected, "rules": rules, "crash": crash,
             "text": tv, "t_oracle": t1 - t0, "t_verify": t2 - t1}
 
@@ -671,7 +682,7 @@ def _chunk(args):
     return out, dict(skipped)
 
 
-def plan(edits: int, configs=CONFIGS, chunk: int = 50):
+def plan(edits: int, configs=CONFIGS, chunk: int = 25):
     """Chunks (model, ranks, kinds, start index, count) that add up to `edits` edits."""
     total = sum(WEIGHTS[c] for c in configs)
     kinds = list(KINDS)
@@ -687,7 +698,9 @@ def plan(edits: int, configs=CONFIGS, chunk: int = 50):
             out.append((model, ranks, kinds, start * 1000, c))
             start += 1
             n -= c
-    return out
+    # the slowest configurations first, so that the workers finish together
+    order = {c: j for j, c in enumerate(sorted(configs, key=lambda c: -COST[c]))}
+    return sorted(out, key=lambda ch: order[(ch[0], ch[1])])
 
 
 def run(edits: int, workers: int = 2, configs=CONFIGS, progress=None) -> dict:
@@ -727,9 +740,13 @@ def summarize(records, skipped, seconds, workers) -> dict:
             c["false_accepts"] += r["unsafe"] and not r["rejected"]
             c["false_rejects"] += (not r["unsafe"]) and r["rejected"] and not r["crash"]
             c["crashes"] += bool(r["crash"])
+            c["internal_errors"] += "internal" in r["rules"]
+            c["contract_only"] += r["oracle"] == "contract"
+            c["oracle_undecided"] += r["undecided"] > 0
             c["text_checked"] += r["text"] is not None
             c["text_disagrees"] += r["text"] is not None and r["text"] != r["rejected"]
-        if (r["unsafe"] != r["rejected"]) or r["crash"] or (r["text"] is not None and r["text"] != r["rejected"]):
+        if (r["unsafe"] != r["rejected"]) or r["crash"] or "internal" in r["rules"] or (
+                r["text"] is not None and r["text"] != r["rejected"]):
             bad.append(r)
     total = Counter()
     for c in per.values():
@@ -742,6 +759,7 @@ def summarize(records, skipped, seconds, workers) -> dict:
         "per_config": {k: dict(v) for k, v in sorted(per_config.items())},
         "oracle_verdicts": dict(oracle_kinds),
         "skipped_no_site": dict(skipped),
+        "oracle_runs_mean": round(sum(r["runs"] for r in records) / max(1, len(records)), 2),
         "oracle_s_mean": round(sum(r["t_oracle"] for r in records) / max(1, len(records)), 4),
         "verify_s_mean": round(sum(r["t_verify"] for r in records) / max(1, len(records)), 4),
         "disagreements": [{k: r[k] for k in ("config", "kind", "seed", "explicit", "edit", "oracle", "oracle_why",
@@ -751,7 +769,8 @@ def summarize(records, skipped, seconds, workers) -> dict:
 
 def table(summary: dict) -> str:
     """The per-kind table as Markdown."""
-    cols = ("edits", "unsafe", "rejected", "false_accepts", "false_rejects", "crashes")
+    cols = ("edits", "unsafe", "contract_only", "rejected", "false_accepts", "false_rejects", "crashes",
+            "internal_errors")
     lines = ["| kind | group | " + " | ".join(c.replace("_", " ") for c in cols) + " |",
              "|---|---|" + "---|" * len(cols)]
     for k, c in summary["per_kind"].items():
@@ -791,7 +810,7 @@ def main(argv=None) -> int:
             json.dump(summ, f, indent=1)
             f.write("\n")
     t = summ["total"]
-    return 1 if t.get("false_accepts") or t.get("false_rejects") or t.get("crashes") else 0
+    return 1 if t.get("false_accepts") or t.get("false_rejects") or t.get("crashes") or t.get("internal_errors") else 0
 
 
 if __name__ == "__main__":

@@ -32,20 +32,25 @@ What the oracle calls unsafe, with a witness:
   of a wrong tag is what NaN poisoning of the numeric executor would turn into wrong logits.
 * **deadlock**: the run cannot finish (the same run is the happens-before simulation: waits and
   signals are monotone counters, so if one maximal run gets stuck, every run does).
+* **contract**: no run goes wrong, but the schedule breaks a rule of the format that no run of
+  this executor can witness (DESIGN.md): a SIGNAL before its task's last STORE (V6), an event
+  whose declared per_step is not the number of signals its counter receives. Reported apart.
 
-Orders explored per edit: a random interleaving, the edited tasks' queues first and last, and
-*freeze runs*: one instruction X is held back while every other queue runs as far as it can,
-then released. A freeze run is exact for the pair it targets: X is the store of a producer of
-what an edited task reads (does the read run before it?), an edited task's own stores (do its
-readers run before them?), the first load of an edited task or of a reader of what it writes
-(does a later version overwrite the data first?). Pairs between two tasks the edit did not touch
-are only covered by the random orders; a race there that these orders miss would show up as a
-verifier rejection the oracle calls safe (a "false reject" in the report), never as a false
-accept: every unsafe verdict comes with a concrete run.
+Which orders: one random interleaving, with vector clocks along it (`_Clocks`); then every
+ordering the data needs (`pairs_of`: the stores of what a LOAD reads before it, the LOAD before
+later versions and next step's stores of the same elements, the address value's stores before
+an addressed LOAD) that the clocks do not prove gets a *freeze run*: its first instruction is
+held back while everything else runs as far as it can, then released. A freeze run is exact for
+its pair (if the second instruction can run first, it does, and reads a wrong tag). The clocks
+only choose which freeze runs to make; they use orderings every execution obeys (queue order,
+the rank's step boundary, a WAIT after a SIGNAL that it cannot pass without, by counting every
+signal of that counter over both steps), so a pair they call ordered is ordered, and every
+unproven pair gets its freeze run (up to `max_witness` distinct ones per edit; more are
+counted as `undecided`). A last random order runs the edited tasks' queues first.
 
 What it cannot see: memory-model effects (relaxed signals, scopes: sequentially consistent
 execution), values (a symbolic run; wrong numbers computed from the right data are the
-numeric tests' job).
+numeric tests' job), races that need more than two steps to show.
 """
 from __future__ import annotations
 
@@ -69,6 +74,8 @@ class Verdict:
     kind: str = "safe"      # safe | malformed | read-only store | missing load | race | deadlock | output
     why: str = ""
     runs: int = 0           # executor runs it took
+    unproven: int = 0       # orderings the clocks did not prove (each got a freeze run, or was left)
+    undecided: int = 0      # of those, left without a freeze run (over max_witness): a safe verdict is weaker
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.why}" if self.unsafe else "safe"
@@ -294,6 +301,193 @@ def _footprint(task, bufs, R):
     return rd, wr
 
 
+def _overlap(a, b) -> bool:
+    return all(x0 < y1 and y0 < x1 for (x0, x1), (y0, y1) in zip(a, b))
+
+
+def pairs_of(plans, ranks, steps, only=None):
+    """The orderings every execution must respect, as pairs (A before B) of instruction
+    instances (task, instr, step): the stores of what a LOAD reads (same version) before it;
+    the LOAD before stores of a later version of what it reads in the same step, and before
+    any store into it in the next step; the stores of an address value before the LOAD it
+    addresses. Returns six int arrays; `only`: just the pairs with a task of that set."""
+    stores = {}
+    for t, (body, _) in enumerate(plans):
+        for i, op in enumerate(body):
+            if op[0] == "S" and op[4] is not None:
+                stores.setdefault(op[1], []).append((t, i, op[2], op[7]))
+    out = []
+    for t, (body, _) in enumerate(plans):
+        for i, op in enumerate(body):
+            if op[0] != "L" or not (op[6] or op[4]):
+                continue
+            mine = only is None or t in only
+            for w, j, vw, bw in stores.get(op[1], ()) if op[6] else ():
+                if w == t or not (mine or w in only) or not any(_overlap(bw, b) for b in op[6]):
+                    continue
+                for k in range(steps):
+                    if vw == op[2]:
+                        out.append((w, j, k, t, i, k))
+                    elif vw > op[2]:
+                        out.append((t, i, k, w, j, k))
+                    if k + 1 < steps:
+                        out.append((t, i, k, w, j, k + 1))
+            for ab, aver in op[4]:
+                for w, j, vw, bw in stores.get((ranks[t], ab), ()):
+                    if vw == aver and w != t and (mine or w in only):
+                        out.extend((w, j, k, t, i, k) for k in range(steps))
+    a = np.array(out, dtype=np.int64).reshape(-1, 6)
+    return tuple(a[:, c] for c in range(6))
+
+
+class _Clocks:
+    """Vector clocks along one run: which instructions every execution must have finished
+    before a given LOAD or STORE runs (an under-approximation of that relation: a pair it
+    does not prove ordered gets a freeze run, which decides).
+
+    Instruction instances are numbered per queue (gidx: step * instructions per step of the
+    queue + position). A clock entry for queue q is 2 * gidx of the last SIGNAL of q known to
+    have happened (everything q did before it did too), or 2 * (last gidx of step k) + 1 once
+    all of q's step k is known done (the rank's step boundary). Orderings it uses, each one that every execution obeys: queue order;
+    the rank's step boundary (rank r's step k+1 starts after all of rank r's step k); and a WAIT
+    after a SIGNAL instance s when s is necessary for it: fewer than `need` signals of that
+    counter can happen without s (counting every signal instance of the counter over the run's
+    steps, minus those known to come after s: later on s's queue, in a later step of s's rank,
+    or, in a second pass, after s or after the WAIT by the first pass's clocks)."""
+
+    def __init__(self, prog, steps, prev=None):
+        plans, qkeys, queues, per_step = prog
+        self.nq = nq = len(qkeys)
+        self.steps = steps
+        ntask = len(plans)
+        self.qof = np.full(ntask, -1, dtype=np.int64)
+        self.off = np.zeros(ntask, dtype=np.int64)
+        self.qlen = np.zeros(nq, dtype=np.int64)
+        for q, ids in enumerate(queues):
+            o = 0
+            for t in ids:
+                self.qof[t], self.off[t] = q, o
+                o += len(plans[t][0])
+            self.qlen[q] = o
+        self.rowbase = np.concatenate([[0], np.cumsum(self.qlen * steps)[:-1]]).astype(np.int64)
+        self.rows = int((self.qlen * steps).sum())
+        self.sig_all = {}
+        for q, ids in enumerate(queues):
+            r = qkeys[q][0]
+            for t in ids:
+                for i, op in enumerate(plans[t][0]):
+                    if op[0] == "G":
+                        for k in range(steps):
+                            self.sig_all.setdefault(op[1], []).append((t, i, k, q, self.g(t, i, k), r))
+        self.prev = prev
+        self.record = False
+        self._count()
+
+    def _count(self):
+        """Per signal instance: how many other instances of its counter may happen without it."""
+        self.could = {}
+        for key, xs in self.sig_all.items():
+            for sx in xs:
+                self.could[sx[:3]] = sum(1 for x in xs if x is not sx and not self._after(sx, x))
+
+    def g(self, t, i, k) -> int:
+        q = self.qof[t]
+        return int(k * self.qlen[q] + self.off[t] + i)
+
+    def _after(self, s, x) -> bool:
+        """x comes after s in every execution (static reasons, or the first pass's clocks)."""
+        if x[3] == s[3] and x[4] > s[4]:
+            return True
+        if x[5] == s[5] and x[2] > s[2]:
+            return True
+        if self.prev is not None:
+            v = self.prev.get(x[:3])
+            return v is not None and v[s[3]] >= 2 * s[4]
+        return False
+
+    def reset(self):
+        self.cur = np.full((self.nq, self.nq), -1, dtype=np.int32)
+        self.snap = np.full((self.rows, self.nq), -1, dtype=np.int32)
+        self.gq = [0] * self.nq
+        self.done = {}          # counter -> [(instance, clock)] of the signals so far
+        self.sigvec = {}        # (task, instr, step) -> the signal's clock
+        self.log = []           # the run's clock events, for `again`
+        self.rec = {} if self.record else None   # clocks after each WAIT and step boundary
+
+    def again(self) -> "_Clocks":
+        """The same run's events once more, counting signals with this pass's clocks (a pass
+        that proves more orderings, without running the schedule again)."""
+        nxt = copy.copy(self)
+        nxt.prev = self.sigvec
+        nxt._count()
+        nxt.reset()
+        for ev in self.log:
+            if ev[0] == 0:
+                nxt.snap[ev[2]] = nxt.cur[ev[1]]
+            elif ev[0] == 1:
+                nxt.signal(*ev[1:])
+            elif ev[0] == 2:
+                nxt.wait(*ev[1:])
+            else:
+                nxt.barrier(*ev[1:])
+        nxt.log = self.log
+        return nxt
+
+    def signal(self, q, t, i, k, key, g=None):
+        g = self.gq[q] if g is None else g
+        self.log.append((1, q, t, i, k, key, g))
+        v = self.cur[q].copy()
+        v[q] = 2 * g
+        inst = (t, i, k)
+        self.sigvec[inst] = v
+        self.done.setdefault(key, []).append((inst, v))
+
+    def wait(self, q, t, i, k, key, need, g=None):
+        gw = self.gq[q] if g is None else g
+        self.log.append((2, q, t, i, k, key, need, gw))
+        if need <= 0:
+            if self.rec is not None:
+                self.rec[(q, gw)] = self.cur[q].copy()
+            return
+        byid = after_w = None
+        cur = self.cur[q]
+        for inst, v in self.done.get(key, ()):
+            n = self.could[inst]
+            if n >= need and self.prev is not None:
+                if after_w is None:     # instances the previous pass proved to come after this wait
+                    xs = self.sig_all.get(key, ())
+                    byid = {x[:3]: x for x in xs}
+                    after_w = [x[:3] for x in xs if (pv := self.prev.get(x[:3])) is not None and pv[q] >= 2 * gw]
+                if after_w:
+                    sx = byid[inst]
+                    n -= sum(1 for a in after_w if a != inst and not self._after(sx, byid[a]))
+            if n < need:
+                np.maximum(cur, v, out=cur)
+        if self.rec is not None:
+            self.rec[(q, gw)] = cur.copy()
+
+    def barrier(self, qs, k):
+        self.log.append((3, qs, k))
+        bar = np.max(self.cur[qs], axis=0)
+        for q in qs:
+            bar[q] = 2 * ((k + 1) * self.qlen[q] - 1) + 1
+        for q in qs:
+            np.maximum(self.cur[q], bar, out=self.cur[q])
+            if self.rec is not None:
+                self.rec[(q, "end", k)] = self.cur[q].copy()
+
+    def unproven(self, pairs):
+        """The pairs (A must precede B) these clocks do not prove; pairs = int arrays tA, iA,
+        kA, tB, iB, kB."""
+        tA, iA, kA, tB, iB, kB = pairs
+        qA, qB = self.qof[tA], self.qof[tB]
+        gA = kA * self.qlen[qA] + self.off[tA] + iA
+        gB = kB * self.qlen[qB] + self.off[tB] + iB
+        same = qA == qB
+        ok = np.where(same, gA < gB, self.snap[self.rowbase[qB] + gB, qA] >= 2 * gA)
+        return np.nonzero(~ok)[0]
+
+
 class Oracle:
     """Prepared once per compiled (unedited) schedule; `classify(edited)` judges one edit."""
 
@@ -329,6 +523,8 @@ class Oracle:
                 self.readers.setdefault(((t.rank + off) % self.R, b), []).append((t.id, ver, box))
             for off, b, ver, box in wr:
                 self.writers.setdefault(((t.rank + off) % self.R, b), []).append((t.id, ver, box))
+        self.base_pairs = pairs_of(self.base_prog[0], self._rank_of, steps)
+        self.passes = 3         # clock passes before freeze runs (K3 tiny at R = 8 needs 3 to prove itself)
         # the state each rank holds after one clean step (relative tags): what every step must leave
         self.final = {}
         v = self._run(self.base_prog, "random", random.Random(seed), steps=1, record_final=True)
@@ -336,6 +532,121 @@ class Oracle:
             v = self._run(self.base_prog, "random", random.Random(seed + 1))
         if v is not None:
             raise ValueError(f"the unedited schedule fails the oracle's own run: {v.kind}: {v.why}")
+        self._sync_tables(seed)
+
+    # -- the synchronization skeleton ------------------------------------------------------------
+    @staticmethod
+    def _skeleton(plan):
+        return tuple(op[:3] for op in plan[0] if op[0] in ("W", "G"))
+
+    def _sync_tables(self, seed):
+        """The unedited schedule's clocks at every sync point (each WAIT, SIGNAL and step end of
+        every queue), in sync-point units. An edit that keeps every queue's sequence of WAITs and
+        SIGNALs (and the events, and the queues' tasks) keeps the happens-before relation between
+        sync points, so these clocks still hold for it: a LOAD or STORE is ordered by the last
+        WAIT before it and publishes at the first SIGNAL after it."""
+        plans, qkeys, queues, per_step = self.base_prog
+        c = _Clocks(self.base_prog, self.steps)
+        c.reset()
+        v = self._run(self.base_prog, "random", random.Random(seed + 2), clocks=c)
+        if v is not None:
+            raise ValueError(f"the unedited schedule fails the oracle's own run: {v.kind}: {v.why}")
+        for j in range(self.passes - 1):
+            if j == self.passes - 2:
+                c.record = True
+            c = c.again()
+        self.base_unproven = len(c.unproven(self.base_pairs))
+        self.skeleton = [self._skeleton(p) for p in plans]
+        conv = []                   # per queue: base gidx of a sync point -> its sync index
+        for q, ids in enumerate(queues):
+            d, idx, g = {}, 0, 0
+            for k in range(self.steps):
+                for t in ids:
+                    for op in plans[t][0]:
+                        if op[0] in ("W", "G"):
+                            d[2 * g] = idx
+                            idx += 1
+                        g += 1
+                d[2 * (g - 1) + 1] = idx    # the step's end
+                idx += 1
+            conv.append(d)
+        self.sync_clock = {}            # (queue, sync index) -> clock in sync units
+        for q, ids in enumerate(queues):
+            idx, g = 0, 0
+            for k in range(self.steps):
+                for t in ids:
+                    for op in plans[t][0]:
+                        if op[0] == "W":
+                            self.sync_clock[(q, idx)] = self._conv(c.rec[(q, g)], conv)
+                        if op[0] in ("W", "G"):
+                            idx += 1
+                        g += 1
+                if (q, "end", k) in c.rec:
+                    self.sync_clock[(q, idx)] = self._conv(c.rec[(q, "end", k)], conv)
+                idx += 1
+
+    @staticmethod
+    def _conv(v, conv):
+        return np.array([-1 if x < 0 else conv[j][int(x)] for j, x in enumerate(v)], dtype=np.int64)
+
+    def _fast_pairs(self, prog, changed):
+        """For an edit that keeps the synchronization skeleton and the changed tasks' STOREs:
+        the pairs with a changed task that the unedited schedule's sync clocks do not prove."""
+        plans, qkeys, queues, per_step = prog
+        pairs = pairs_of(plans, self._rank_of, self.steps, only=set(changed))
+        if not len(pairs[0]):
+            return pairs, np.zeros(0, dtype=np.int64)
+        involved = set(pairs[0].tolist()) | set(pairs[3].tolist())
+        # per (task, instr, step): (queue, position, last WAIT / step start before, first SIGNAL / step end after)
+        where = {}
+        for q, ids in enumerate(queues):
+            if not involved.intersection(ids):
+                continue
+            idx, g, last = 0, 0, -1
+            for k in range(self.steps):
+                pending = []
+                for t in ids:
+                    for i, op in enumerate(plans[t][0]):
+                        if op[0] == "W":
+                            last = idx
+                        if op[0] == "G":        # publishes what its queue did before it
+                            for key in pending:
+                                where[key] = where[key][:3] + (idx,)
+                            pending = []
+                        if op[0] in ("W", "G"):
+                            idx += 1
+                        elif t in involved and op[0] in ("L", "S"):
+                            where[(t, i, k)] = (q, g, last, None)
+                            pending.append((t, i, k))
+                        g += 1
+                for key in pending:         # published by the step's end
+                    where[key] = where[key][:3] + (idx,)
+                last = idx
+                idx += 1
+        ok = np.ones(len(pairs[0]), dtype=bool)
+        for x in range(len(pairs[0])):
+            qa, ga, _, nxt = where[(int(pairs[0][x]), int(pairs[1][x]), int(pairs[2][x]))]
+            qb, gb, lastw, _ = where[(int(pairs[3][x]), int(pairs[4][x]), int(pairs[5][x]))]
+            if qa == qb:
+                ok[x] = ga < gb
+            else:
+                ok[x] = lastw >= 0 and self.sync_clock[(qb, lastw)][qa] >= nxt
+        return pairs, np.nonzero(~ok)[0]
+
+    def _keeps_skeleton(self, prog, changed, per_step) -> bool:
+        plans, _, queues, _ = prog
+        if queues != self.base_prog[2] or per_step != self.base_prog[3]:
+            return False
+        for t in changed:
+            if self._skeleton(plans[t]) != self.skeleton[t]:
+                return False
+            # the same STOREs, all of them of what the task computes, after its COMPUTE
+            if any(op[0] == "RO" or (op[0] == "S" and (op[4] is not True or op[6])) for op in plans[t][0]):
+                return False
+            mine = sorted((op[1], op[2], op[7]) for op in plans[t][0] if op[0] == "S")
+            if mine != sorted((op[1], op[2], op[7]) for op in self.base_prog[0][t][0] if op[0] == "S"):
+                return False
+        return True
 
     # -- compile a schedule into per-task plans --------------------------------------------------
     def _program(self, m: Schedule, changed: set):
@@ -375,17 +686,17 @@ class Oracle:
                 b, ver = bufs.load_version(reg.tensor, reads)
                 off = 0 if reg.rank is None else (reg.rank - t.rank) % R
                 trank = (t.rank + off) % R
-                checks = []
-                if bufs.kind[b] not in (Kind.weight,) and b not in bufs.readonly:
+                boxes = []      # the parts of what the body reads that this load brings
+                if bufs.kind[b] is not Kind.weight and b not in bufs.readonly and k < compute_at:
                     for noff, nb, nver, nbox in need:
                         if (noff, nb, nver) == (off, b, ver):
                             x = _inter(nbox, reg.box)
                             if x is not None:
-                                checks.append(_slices(x))
+                                boxes.append(x)
                 if k < compute_at:
                     covered.setdefault((off, b, ver), []).append(reg.box)
-                adds = [(ab, aver) for ab, aver in addr.get(b, [])]
-                plan.append(("L", (trank, b), ver, checks, adds, reg.tensor))
+                adds = [(ab, aver) for ab, aver in addr.get(b, [])] if k < compute_at else []
+                plan.append(("L", (trank, b), ver, [_slices(x) for x in boxes], adds, reg.tensor, boxes))
             else:
                 reg = i.region
                 b, _ = bufs.root[reg.tensor]
@@ -407,7 +718,7 @@ class Oracle:
                             if x is not None:
                                 mask[tuple(slice(a - o0, c - o0) for (a, c), (o0, _) in zip(x, reg.box))] = True
                         valid = mask if mask.any() else None
-                plan.append(("S", (trank, b), ver, _slices(reg.box), valid, ver > 0, k < compute_at))
+                plan.append(("S", (trank, b), ver, _slices(reg.box), valid, ver > 0, k < compute_at, reg.box))
         # static: does what the task loads before its compute cover what its body reads?
         missing = None
         for noff, nb, nver, nbox in need:
@@ -426,12 +737,13 @@ class Oracle:
         return plan, missing
 
     # -- one run ---------------------------------------------------------------------------------
-    def _run(self, prog, policy, rng, freeze=None, focus_queues=(), record_final=False, steps=None):
+    def _run(self, prog, policy, rng, freeze=None, focus_queues=(), record_final=False, steps=None, clocks=None):
         """One order. `policy`: random (a random runnable queue, for a burst of 1-8
         instructions) | first (the focus queues run whenever they can) | last (only when nothing
         else can); `freeze` = (task id, instruction index, step): that instruction waits until
         nothing else can run, then its queue alone goes on until its task ends or blocks, and the
-        run stops. Returns a Verdict for an unsafe run, else None."""
+        run stops. `clocks` (a `_Clocks`) records happens-before along the run. Returns a
+        Verdict for an unsafe run, else None."""
         plans, qkeys, queues, per_step = prog
         R, bufs = self.R, self.bufs
         steps = steps or self.steps
@@ -477,6 +789,8 @@ class Oracle:
                     t[~ok] = GARBAGE
 
         def finish_step(r, k):
+            if clocks is not None:
+                clocks.barrier([q for q in range(nq) if rank_of[q] == r], k)
             for b, ver in bufs.outputs:
                 if not (tags[(r, b)] == k * VMAX + ver).all():
                     raise _Stop("output", f"rank {r} step {k}: output %{b} does not hold the step's "
@@ -563,7 +877,7 @@ class Oracle:
                                     raise _Stop("race", f"step {k} task {tid}: load of %{op[5]}, addressed "
                                                         f"by %{ab}, before that address is written")
                         elif c == "S":
-                            _, key, ver, sl, valid, inplace, _pre = op
+                            _, key, ver, sl, valid, inplace, _pre, _box = op
                             t = tags[key]
                             if not computed[q] or valid is None:
                                 t[sl] = GARBAGE
@@ -581,6 +895,8 @@ class Oracle:
                                     t[sl] = np.where(valid, new, GARBAGE)
                         elif c == "G":
                             key = op[1]
+                            if clocks is not None:
+                                clocks.signal(q, tid, i, k, key)
                             cnt = counter[key] = counter.get(key, 0) + 1
                             waiters = blocked.pop(key, None)
                             if waiters:
@@ -591,8 +907,17 @@ class Oracle:
                                     blocked[key] = still
                         elif c == "C":
                             computed[q] = True
+                        elif c == "W":
+                            if clocks is not None:
+                                clocks.wait(q, tid, i, k, op[1], k * per_step.get(op[1], 0) + op[2])
                         elif c == "RO":
                             raise _Stop("read-only store", f"task {tid} stores into %{op[1]}")
+                        if clocks is not None:
+                            clocks.gq[q] += 1
+                            if c == "L" or c == "S":
+                                row = clocks.rowbase[q] + clocks.gq[q] - 1
+                                clocks.snap[row] = clocks.cur[q]
+                                clocks.log.append((0, q, row))
                         idx[q] = i = i + 1
                         burst -= 1
                         if burst > 0 and i < len(ins) and ins[i][0] != "W" and q != fz_q \
@@ -642,7 +967,11 @@ class Oracle:
         return None
 
     # -- one edit --------------------------------------------------------------------------------
-    def classify(self, s: Schedule, runs: int = 2, max_partners: int = 6) -> Verdict:
+    def classify(self, s: Schedule, max_witness: int = 40, fast: bool = True) -> Verdict:
+        """Judge one edited schedule (the same model, grid and tasks as the unedited one).
+        `fast`: reuse the unedited schedule's clocks when the edit keeps every queue's waits
+        and signals (tests compare it with the full analysis)."""
+        self.last_fast = False
         why = structure(s, self.bufs)
         if why:
             return Verdict(True, "malformed", why)
@@ -675,23 +1004,67 @@ class Oracle:
         fq = {q for q, ids in enumerate(queues) for t in ids if t in focus}
         rng = random.Random(self.seed * 7919 + len(changed))
         n = 0
-        for pol in ("random", "first", "last")[:max(runs, 1)] if focus else ("random",):
+        fast = fast and self._keeps_skeleton(prog, changed, per_step)
+        self.last_fast = fast       # for tests
+        if fast:
+            # the same waits and signals in the same queues: the unedited schedule's clocks hold
+            pairs, todo = self._fast_pairs(prog, changed)
+        else:
+            # 1. one random order, recording happens-before; a deadlock or a poisoned read ends it
+            clocks = _Clocks(prog, self.steps)
+            clocks.reset()
             n += 1
-            v = self._run(prog, pol, rng, focus_queues=fq)
+            v = self._run(prog, "random", rng, clocks=clocks)
             if v is not None:
                 v.runs = n
                 return v
-        for target in self._targets(m, focus, plans, max_partners, rng):
+            pairs = self._pairs_for(prog, changed)
+            todo = clocks.unproven(pairs)
+        for _ in range(0 if fast else self.passes - 1):
+            if not len(todo):
+                break
+            # 2. more passes over the same run, each counting signals with the previous pass's clocks
+            pairs = tuple(p[todo] for p in pairs)
+            clocks = clocks.again()
+            todo = clocks.unproven(pairs)
+        # 3. every ordering the clocks do not prove: hold its first instruction back
+        firsts = []
+        for x in todo:
+            a = (int(pairs[0][x]), int(pairs[1][x]), int(pairs[2][x]))
+            if a not in firsts:
+                firsts.append(a)
+        undecided = 0
+        if len(firsts) > max_witness:
+            undecided = len(firsts) - max_witness
+            firsts = rng.sample(firsts, max_witness)
+        for target in firsts:
             n += 1
             v = self._run(prog, "random", rng, freeze=target)
             if v is not None:
                 v.runs = n
                 v.why += f" (freeze run on task {target[0]} instruction {target[1]}, step {target[2]})"
                 return v
+        # 4. an order with the edited tasks first (a check of the above)
+        if focus and not fast:
+            n += 1
+            v = self._run(prog, "first", rng, focus_queues=fq)
+            if v is not None:
+                v.runs = n
+                return v
         why = _contract(m, plans)
         if why:
             return Verdict(True, "contract", why, n)
-        return Verdict(False, runs=n)
+        return Verdict(False, runs=n, unproven=len(firsts) + undecided, undecided=undecided)
+
+    def _pairs_for(self, prog, changed):
+        """pairs_of(prog), reusing the unedited schedule's pairs between unchanged tasks."""
+        plans = prog[0]
+        if not changed:
+            return self.base_pairs
+        ch = np.array(sorted(changed), dtype=np.int64)
+        keep = ~(np.isin(self.base_pairs[0], ch) | np.isin(self.base_pairs[3], ch))
+        new = pairs_of(plans, self._rank_of, self.steps, only=set(changed))
+        return tuple(np.concatenate([b[keep], x]) for b, x in zip(self.base_pairs, new))
 
     def _materialize(self, s):
         """Every rank's tasks (rank r runs rank 0's with peers rotated by r, as
@@ -726,46 +1099,6 @@ class Oracle:
         for ids in prog[2]:
             for a, b in zip([None] + ids[:-1], ids):
                 out[b] = a
-        return out
-
-    def _targets(self, m, focus, plans, max_partners, rng):
-        """Freeze points: (task, instruction index, step)."""
-        out = []
-        R = self.R
-        partners = set()
-        for f in sorted(focus):
-            ins = plans[f][0]
-            first_load = next((k for k, op in enumerate(ins) if op[0] == "L" and op[3]), None)
-            for k, op in enumerate(ins):
-                if op[0] == "S":
-                    out.append((f, k, 0))
-            if first_load is not None:
-                out.append((f, first_load, 0))
-            t = m.tasks[f]
-            rd, wr = self.fp[f]
-            for off, b, ver, box in rd:
-                for w, wver, wbox in self.writers.get(((t.rank + off) % R, b), []):
-                    if w != f and _inter(wbox, box) is not None:
-                        partners.add(("w", w, b))
-            for _, addrs in self.bufs.task_access(t.ops)[2].items():
-                for ab, _ in addrs:
-                    for w, _, _ in self.writers.get((t.rank, ab), []):
-                        partners.add(("w", w, ab))
-            for off, b, ver, box in wr:
-                for rdr, rver, rbox in self.readers.get(((t.rank + off) % R, b), []):
-                    if rdr != f and _inter(rbox, box) is not None:
-                        partners.add(("r", rdr, b))
-        partners = sorted(partners)
-        if len(partners) > max_partners:
-            partners = rng.sample(partners, max_partners)
-        for how, p, b in partners:
-            ins = plans[p][0]
-            if how == "w":
-                k = next((k for k, op in enumerate(ins) if op[0] == "S" and op[1][1] == b), None)
-            else:
-                k = next((k for k, op in enumerate(ins) if op[0] == "L" and op[1][1] == b), None)
-            if k is not None:
-                out.append((p, k, 0))
         return out
 
 
