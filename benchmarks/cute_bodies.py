@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from fusec.backends.cute import workloads as wl
+from fusec.testing import cute_workloads as wl
 from fusec.backends.cute.plan import EwOp, KernelPlan, Opcode, round_robin_queues
 from fusec.backends.cute.runtime import Megakernel
 from fusec.ir.quant import MXFP4Tensor

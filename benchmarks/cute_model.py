@@ -36,7 +36,7 @@ import torch
 
 import fusec
 from fusec.debug.bisect import LOGITS_TOL, RouteAlign, bisect_step, logits_run_ok, sync_state
-from fusec.backends.cute.workloads import rel_err
+from fusec.testing.cute_workloads import rel_err
 
 MODELS = {"llama": "llama.py", "kimi_k3": "kimi_k3.py"}
 TOL = LOGITS_TOL  # logits, the bar (the verdict: bisect.logits_run_ok)

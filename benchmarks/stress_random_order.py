@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 from fusec.backends.reference.executor import init_state
-from fusec.backends.reference.random_order import RandomOrderRunner
+from fusec.testing.random_order import RandomOrderRunner
 from fusec.passes.options import Options
 from fusec.ir.schedule_text import parse_schedule_file
 from fusec.models import kimi_k3
-from fusec.mutate import EXPECT, Mutation, MutationSkipped, plant
+from fusec.testing.mutate import EXPECT, Mutation, MutationSkipped, plant
 from fusec.passes.manager import PIPELINES, Program, run_pipeline
 from fusec.passes.memory_order import check_schedule
 from fusec.weights import random_weights

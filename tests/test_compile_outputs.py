@@ -6,7 +6,7 @@ import pytest
 
 from fusec.cli import main
 from fusec.ir.schedule_text import parse_schedule_file, print_schedule
-from fusec.mutate import plant
+from fusec.testing.mutate import plant
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,7 @@ def test_symmetric_check_agrees_with_the_materialized_one(k3_tiny, k3_tiny_r4):
     """A replicated schedule is checked on rank 0 only (clocks over rank x queue); the explicit
     check of its materialized form (every rank's tasks) must find the same rules, and rank 0's
     violations among its own. R = 4 so that a peer offset's sign matters (+1 != -1)."""
-    from fusec.mutate import Mutation, MutationSkipped, plant
+    from fusec.testing.mutate import Mutation, MutationSkipped, plant
     bases = [k3_tiny[2], k3_tiny_r4] + [parse_schedule_file(p) for p in GOOD + BAD]
     bases = [s for s in bases if s.replicated and s.ranks > 1]
     compared = 0
@@ -159,7 +159,7 @@ def test_symmetric_check_agrees_with_the_materialized_one(k3_tiny, k3_tiny_r4):
 
 
 def test_grid_differs_on_a_materialized_rank_is_v7(k3_tiny_r4):
-    from fusec.mutate import Mutation, plant
+    from fusec.testing.mutate import Mutation, plant
     bad, why = plant(k3_tiny_r4, Mutation.grid_differs, seed=0)
     rep = check_schedule(bad)
     assert not bad.replicated and not rep.stats["symmetric"] and "V7" in rep.rules(), why

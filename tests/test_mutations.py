@@ -1,4 +1,4 @@
-"""Planted bugs (fusec.mutate): each must be rejected by the verifier with its rule and, when it
+"""Planted bugs (fusec.testing.mutate): each must be rejected by the verifier with its rule and, when it
 changes values, caught by the randomized executor (poisoned read, mismatch or deadlock)."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fusec.backends.reference.random_order import RandomOrderRunner
+from fusec.testing.random_order import RandomOrderRunner
 from fusec.ir.schedule_text import parse_schedule_file
-from fusec.mutate import EXPECT, Mutation, MutationSkipped, plant
+from fusec.testing.mutate import EXPECT, Mutation, MutationSkipped, plant
 from fusec.passes.memory_order import check_schedule
 
 HERE = Path(__file__).parent / "schedules"

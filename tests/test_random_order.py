@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusec.backends.reference.random_order import Policy, RandomOrderRunner
+from fusec.testing.random_order import Policy, RandomOrderRunner
 from fusec.ir.schedule_text import parse_schedule_file
 
 HERE = Path(__file__).parent / "schedules"

@@ -1,7 +1,7 @@
 """Derive, don't trust: hand-written unsafe edits of the compiled K3 tiny and Llama tiny
 schedules (R = 1 and 2) that the verifier must reject with the right rule (S1-S4, V3), never a
 crash; and safe edits that it must still accept. Edits are made here by hand on the Schedule
-objects or on the schedule text, not with fusec.mutate (docs/verifier.md, "Derived accesses
+objects or on the schedule text, not with fusec.testing.mutate (docs/verifier.md, "Derived accesses
 and structural rules")."""
 from __future__ import annotations
 

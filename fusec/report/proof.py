@@ -117,7 +117,7 @@ def random_orders(schedule, orders: int, budget_s: float) -> dict:
     """Run up to `orders` random legal orders (two steps each) within `budget_s` seconds (at least
     one). Numeric at R = 1 (outputs compared with the reference executor), symbolic above (poisoned
     reads and deadlocks only: numeric needs the full unsharded checkpoint)."""
-    from fusec.backends.reference.random_order import RandomOrderRunner
+    from fusec.testing.random_order import RandomOrderRunner
     t0 = time.perf_counter()
     runner = RandomOrderRunner(schedule, steps=2)
     prep = time.perf_counter() - t0

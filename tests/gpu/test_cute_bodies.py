@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 from _needs_cute import torch  # noqa: E402  (skips this module without CUDA or the CuTe DSL)
 
-from fusec.backends.cute import workloads as wl  # noqa: E402
+from fusec.testing import cute_workloads as wl  # noqa: E402
 from fusec.backends.cute.plan import EwOp, KernelPlan, Opcode, round_robin_queues  # noqa: E402
 from fusec.backends.cute.runtime import Megakernel  # noqa: E402
 from fusec.ir.quant import MXFP4Tensor  # noqa: E402

@@ -50,7 +50,7 @@ from fusec.ir.schedule import InstrKind, Schedule
 from fusec.ir.types import Kind
 from fusec.passes.memory_access import BufferMap, expand_ranks
 
-from .executor import init_state, prepare_weights, run_step, store, torch_dtype
+from fusec.backends.reference.executor import init_state, prepare_weights, run_step, store, torch_dtype
 
 VMAX = 1 << 16          # tag = step * VMAX + version
 NEVER = -1
@@ -154,7 +154,7 @@ class RandomOrderRunner:
             self.expected = [[run_step(s.graph, self.W[0], st, self.inputs[k], s.dims, "fp32")]
                              for k in range(self.steps)]
             return
-        from .ranks import materialize_weights, run_step_ranks, shard_state
+        from fusec.backends.reference.ranks import materialize_weights, run_step_ranks, shard_state
         R = s.ranks
         self.W = [materialize_weights(s.graph, weights, r, "fp32") for r in range(R)]
         self.state0 = []

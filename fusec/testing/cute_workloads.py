@@ -5,7 +5,7 @@ scheduler fills TaskRow fields (addresses from data_ptr(), element strides, tile
 """
 from __future__ import annotations
 
-from .plan import (NO_EVENT, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, TaskRow, f32_bits, f32_pair,
+from fusec.backends.cute.plan import (NO_EVENT, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, TaskRow, f32_bits, f32_pair,
                    split_rows)
 
 # E2M1 magnitudes by the low 3 bits of a nibble; bit 3 is the sign.
