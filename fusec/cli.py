@@ -12,6 +12,8 @@ import os
 import sys
 import time
 
+from fusec import version   # defined in fusec: the tools the CLI runs read it without importing the CLI
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `fusec: error: ...` and exit 2, no usage block."""
@@ -144,16 +146,6 @@ def _add_golden_parser(sub) -> None:
     c.add_argument("--weights", help="check other weights (checkpoint folder) against the record")
     c.add_argument("--batch", type=positive_int, action="append", help="check only these recorded batch sizes")
     c.add_argument("--json", help="also write the verdict as JSON to this file")
-
-
-def version() -> str:
-    """The installed distribution's version; the package's own where fusec is not installed."""
-    from importlib.metadata import PackageNotFoundError, version as dist_version
-    try:
-        return dist_version("fusec")
-    except PackageNotFoundError:
-        from fusec import __version__
-        return __version__
 
 
 def cmd_ops(args) -> int:

@@ -50,7 +50,7 @@ def simulate(model_graph: Graph, ranks: int, gpu: str = "h200", batch: int = 1,
     """`tp` / `ep`: smaller parallel degrees than the shard pass plans (None: the plan's)."""
     from fusec.passes.manager import Program, run_pipeline
     spec = gpu_spec(gpu)
-    opts = Options(ranks=ranks, batch=batch, max_len=max_len, sms=spec.sms, gpu=gpu, verify_each_pass=False)
+    opts = Options(ranks=ranks, batch=batch, max_len=max_len, gpu=gpu, verify_each_pass=False)   # SMs: the gpu's
     prog = Program(model_graph.copy(), opts)
     prog.notes["shard_degrees"] = {k: v for k, v in (("tp", tp), ("ep", ep)) if v is not None}
     run_pipeline(prog, PIPE)

@@ -21,7 +21,7 @@ LOCAL = {*PACKAGED, "tests"}
 # import fails test_every_import_is_declared until it is added here and to pyproject.toml
 DIST = {"torch": "torch", "numpy": "numpy", "lark": "lark", "jinja2": "jinja2", "safetensors": "safetensors", "tqdm": "tqdm",
         "pytest": "pytest", "syrupy": "syrupy", "cutlass": "nvidia-cutlass-dsl", "cuda": "cuda-bindings",
-        "matplotlib": "matplotlib", "playwright": "playwright"}
+        "matplotlib": "matplotlib", "playwright": "playwright", "importlinter": "import-linter"}
 CUTE_ONLY = {"cutlass", "cuda"}
 # Runtime modules that only a test runner loads (the pytest plugin): their imports come from the test extra.
 TEST_RUNNER_ONLY = {"fusec/testing/pytest_plugin.py"}

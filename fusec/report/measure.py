@@ -223,7 +223,7 @@ def _git() -> str:
 def versions_section(argv: list[str] | None, model, config, ranks: int, batch: int, seconds: dict) -> dict:
     import torch
 
-    from fusec.cli import version
+    from fusec import version
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     facts = [("fusec", version()), ("fusec source", _git()), ("python", platform.python_version()),
              ("torch", torch.__version__), ("numpy", _dist("numpy")), ("matplotlib", _dist("matplotlib")),

@@ -280,7 +280,7 @@ def _model_ref(model) -> str:
 
 
 def _fusec_version() -> str:
-    from fusec.cli import version
+    from fusec import version
     return version()
 
 
