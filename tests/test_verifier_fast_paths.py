@@ -4,7 +4,7 @@
 per-load code runs on the rest. Here every report is compared with the report of the same
 schedule checked with the pre-check switched off (every load through the rules' code): the same
 violations, in the same order, on the hand-written schedules, on K3 tiny and Llama tiny at
-R = 1, 2 and 4 with every planted bug of fusec.mutate, and on seeded random edits of their
+R = 1, 2 and 4 with every planted bug of fusec.testing.mutate, and on seeded random edits of their
 waits, thresholds, load positions and boxes.
 """
 from __future__ import annotations

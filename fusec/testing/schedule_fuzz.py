@@ -13,7 +13,7 @@ false accepts (unsafe, accepted), false rejects (safe, rejected), crashes (the v
 
 Edits are made here on Schedule objects (rank 0's lists of a replicated schedule, i.e. every rank
 at once; at R > 1 a share of them on the materialized schedule, one rank only), never with
-`fusec.mutate` and never by asking the verifier where to edit. A kind that has no site in a
+`fusec.testing.mutate` and never by asking the verifier where to edit. A kind that has no site in a
 schedule is skipped for it (counted, not an edit).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ the memory-order verifier's code.
 The fuzzer (`fusec.testing.schedule_fuzz`) edits a compiled schedule and asks two judges: the
 verifier (`check_schedule`) and this oracle. The oracle shares no code with the verifier (it
 imports neither `passes/memory_order.py`, `passes/_derive.py` nor `passes/memory_access.py`,
-nor `backends/reference/random_order.py`, which uses the latter): its buffer model, its notion
+nor `fusec/testing/random_order.py`, which uses the latter): its buffer model, its notion
 of what a task reads and writes, its structural checks and its executor are written here.
 
 What the oracle calls unsafe, with a witness:
