@@ -63,6 +63,9 @@ class Lowered:
         rows = [dataclasses.replace(r, **{f: base + getattr(r, f) for f in fs})
                 for r, fs in zip(self.rows, self.addr_fields)]
         kw.setdefault("threads", 512)
+        # Batch 1 streams on CUDA cores: 8 chunks in flight per lane measured 3.8% faster on the
+        # H200 (slice4-e128, 3439 -> 3309 us); the tensor-core bodies at batch > 1 keep 4.
+        kw.setdefault("unroll", 8 if self.batch == 1 else 4)
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         return KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)
