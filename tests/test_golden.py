@@ -175,3 +175,50 @@ def test_near_tie_is_reported_apart_and_a_clear_flip_fails():
     assert cells[(1, 1)].status == "FAIL" and "clear margin" in cells[(1, 1)].note
     assert cells[(2, 2)].status == "FAIL" and "logits differ" in cells[(2, 2)].note
     assert (v.first_failure.step, v.first_failure.row) == (1, 1)
+
+
+# -- the pytest plugin, as an engine's suite uses it ------------------------------------------------
+ENGINE_TEST = f'''
+def test_k3_is_pinned(fusec_golden):
+    fusec_golden("golden/k3", {MODEL!r}, config="tiny", batches=[1], steps=2)
+'''
+
+
+def _pytest(cwd, *args):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_engine.py", *args],
+                       cwd=cwd, capture_output=True, text=True, timeout=600)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_pytest_plugin_pins_a_model(tmp_path):
+    """The fixture comes with the installed package (pytest11 entry point): a missing record fails
+    and says how to make one; --fusec-update-golden records it and checks; a changed record fails
+    naming the step."""
+    (tmp_path / "test_engine.py").write_text(ENGINE_TEST)
+    rc, out = _pytest(tmp_path)
+    assert rc == 1 and "no golden record in golden/k3: run pytest with --fusec-update-golden" in out, out
+    rc, out = _pytest(tmp_path, "--fusec-update-golden")
+    assert rc == 0 and (tmp_path / "golden/k3/golden.json").is_file(), out
+    run = load_file(str(tmp_path / "golden/k3/b1.safetensors"))
+    run["logits"][1] *= 1.01
+    save_file(run, str(tmp_path / "golden/k3/b1.safetensors"))
+    rc, out = _pytest(tmp_path)
+    assert rc == 1 and "first diverging step: step 1 (batch 1, sequence 0)" in out, out
+
+
+def test_the_megakernel_routes_are_read_from_its_arena():
+    """For the cute backend the tap reads each router's ids from the arena after the step (the
+    runner has no executor hook); routers the lowered graph lacks are left out."""
+    op = types.SimpleNamespace(opname="router", outputs=[types.SimpleNamespace(name="l1.w"),
+                                                         types.SimpleNamespace(name="l1.ids")])
+    gone = types.SimpleNamespace(opname="router", outputs=[types.SimpleNamespace(name="l2.w"),
+                                                           types.SimpleNamespace(name="l2.ids")])
+    arena = {"l1.ids": torch.tensor([[5, 2], [1, 7]], dtype=torch.int32)}
+    runner = types.SimpleNamespace(mem=types.SimpleNamespace(tensor=arena.__getitem__),
+                                   program=types.SimpleNamespace(graph=types.SimpleNamespace(ops=[op])))
+    tap = golden._RouteTap(types.SimpleNamespace(runner=runner, graph=types.SimpleNamespace(ops=[op, gone])))
+    assert tap.observable and tap.kind == "arena"
+    got = tap.take()
+    assert list(got) == ["l1.ids"] and got["l1.ids"][0].tolist() == [[2, 5], [1, 7]]

@@ -47,6 +47,8 @@ def build_report(model, config: str | None = None, overrides: dict | None = None
         seconds[name] = time.perf_counter() - t
         return r
 
+    from fusec.api import check_device
+    device = check_device(device)          # a missing GPU is one line now, not after the other sections
     graph, _ = load_graph(model, config, overrides)
     verify_graph(graph)
     opts = Options.from_env(ranks=ranks, batch=batch, max_len=max_len)
@@ -61,11 +63,18 @@ def build_report(model, config: str | None = None, overrides: dict | None = None
                steps=numerics_steps)
     t = time.perf_counter()
     if (os.cpu_count() or 1) > 1:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            # one core stays with this process's pure-Python sections
-            numerics = pool.submit(measure.run_numerics, *nargs, **nkw, threads=max(1, os.cpu_count() - 1))
-            secs = _sections(timed, graph, prog, log_lines, batch, max_len, orders, orders_budget_s, ptx_audit)
-            result = numerics.result()
+        import torch
+        threads = torch.get_num_threads()
+        # one core for this process's sections (the numeric random orders run torch too), the
+        # others for the numerics: more threads than cores slows both several times over
+        torch.set_num_threads(1)
+        try:
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                numerics = pool.submit(measure.run_numerics, *nargs, **nkw, threads=max(1, os.cpu_count() - 1))
+                secs = _sections(timed, graph, prog, log_lines, batch, max_len, orders, orders_budget_s, ptx_audit)
+                result = numerics.result()
+        finally:
+            torch.set_num_threads(threads)
     else:
         secs = _sections(timed, graph, prog, log_lines, batch, max_len, orders, orders_budget_s, ptx_audit)
         result = measure.run_numerics(*nargs, **nkw)

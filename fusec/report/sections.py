@@ -147,7 +147,8 @@ def sharding_section(prog, log_lines=()) -> dict:
     if R == 1:
         lead = "1 rank: nothing is sharded and the step has no collectives."
     else:
-        lead = (f"{R} ranks: tensor parallel tp = {plan['tp']} ({R // plan['tp']} replica groups), expert parallel "
+        groups = R // plan["tp"]
+        lead = (f"{R} ranks: tensor parallel tp = {plan['tp']} ({groups} replica group{'s' if groups > 1 else ''}), expert parallel "
                 f"ep = {plan['ep']}; {len(coll)} collectives (" + ", ".join(f"{n} {k}" for k, n in by_kind.items())
                 + f"), {push} push tasks per rank.")
     facts = [("ranks", R), ("tp", plan.get("tp", 1)), ("ep", plan.get("ep", 1)), ("collectives", len(coll)),

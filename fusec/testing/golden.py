@@ -133,10 +133,19 @@ def _describe(meta: dict) -> str:
 
 
 # -- the model, its weights and a compiled step ---------------------------------------------------
-def _model_graph(model, config, overrides):
+def _device(device) -> str:
+    """A usable device, else the API's one-line ValueError (before any weights are drawn on it)."""
+    from fusec.api import check_device
+    return check_device(device)
+
+
+def _model_graph(model, config, overrides, weights=None):
+    """The graph `fusec.compile` builds for these arguments (a checkpoint's config.json can set
+    the dims, so it is passed on), without weights: cheap enough to refuse a record first."""
     from fusec.ir.verify import verify_graph
     from fusec.loader import load_graph
-    graph, module = load_graph(model, config, overrides)
+    ckpt = weights if weights is not None and not isinstance(weights, dict) else None
+    graph, module = load_graph(model, config, overrides, checkpoint=ckpt)
     verify_graph(graph)
     return graph, module
 
@@ -233,7 +242,8 @@ def record(model, config: str | None = None, *, overrides: dict | None = None, w
         raise ValueError(f"batch sizes must be integers >= 1, got {batches}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    graph, module = _model_graph(model, config, overrides)
+    device = _device(device)
+    graph, module = _model_graph(model, config, overrides, weights)
     w, wmeta = _weights(graph, module, weights, seed, device)
     meta = {"format": FORMAT, "model": _model_ref(model), "config": config, "overrides": overrides or {},
             "graph": graph.name, "graph_sha256": graph_identity(graph), "weights": wmeta,
@@ -245,8 +255,6 @@ def record(model, config: str | None = None, *, overrides: dict | None = None, w
     for b in batches:
         step = _compiled(model, config, overrides, w, backend="reference", batch=b, steps=steps, device=device,
                          precision="fp32")
-        if graph_identity(step.graph) != meta["graph_sha256"]:
-            raise GoldenError("the compiled step's graph differs from the model's (a checkpoint config.json?)")
         tap = _RouteTap(step, record_margins=True)
         vocab = step.vocab
         prompts = _prompts(vocab, b, meta["prompt_len"])
@@ -275,8 +283,14 @@ def record(model, config: str | None = None, *, overrides: dict | None = None, w
 
 
 def _model_ref(model) -> str:
+    """How the record names the model: a model shipped with fusec by its name (so the record
+    checks on another machine), any other model file by its absolute path."""
+    import fusec.models
     p = Path(str(model))
-    return str(p.resolve()) if p.is_file() else str(model)
+    if not p.is_file():
+        return str(model)
+    p = p.resolve()
+    return p.stem if p.parent == Path(fusec.models.__file__).resolve().parent else str(p)
 
 
 def _fusec_version() -> str:
@@ -382,28 +396,29 @@ def check(golden: Golden, *, backend: str = "reference", device: str = "cpu", pr
     precision = precision or ("bf16" if backend == "cute" else "fp32")
     if precision not in LOGITS_TOL:
         raise ValueError(f"precision must be one of {', '.join(LOGITS_TOL)}, got {precision!r}")
+    device = _device(device)
     if model is None:
         model, config, overrides = meta["model"], meta.get("config"), meta.get("overrides") or None
-    graph, module = _model_graph(model, config, overrides)
+    wm = meta["weights"]
+    if weights is None and "seed" not in wm and "checkpoint" not in wm:
+        raise GoldenError("the record was made from weights given as a dict: pass the same weights to check it")
+    spec = wm["checkpoint"] if weights is None and "checkpoint" in wm else weights
+    graph, module = _model_graph(model, config, overrides, spec)
     have = graph_identity(graph)
     if have != meta["graph_sha256"]:
         raise GoldenError(f"golden record is for {_describe(meta)}, not {graph.name} (config {config or 'default'}, "
                           f"graph sha256 {have[:12]}): record it for this model with `fusec golden record ... --update`")
     note = ""
-    if weights is None:
-        wm = meta["weights"]
-        if "seed" in wm:
-            if wm.get("drawn_on") == "cuda" and not str(device).startswith("cuda"):
-                raise GoldenError("the record's random weights were drawn on a CUDA device (its generator differs "
-                                  "from the CPU's): check it with --device cuda, or pass the weights")
-            w, _ = _weights(graph, module, None, int(wm["seed"]), wm.get("drawn_on", "cpu"))
-        elif "checkpoint" in wm:
-            w = wm["checkpoint"]
-        else:
-            raise GoldenError("the record was made from weights given as a dict: pass the same weights to check it")
+    if weights is None and "seed" in wm:
+        if wm.get("drawn_on") == "cuda" and not str(device).startswith("cuda"):
+            raise GoldenError("the record's random weights were drawn on a CUDA device (its generator differs "
+                              "from the CPU's): check it with --device cuda, or pass the weights")
+        w, _ = _weights(graph, module, None, int(wm["seed"]), wm.get("drawn_on", "cpu"))
+    elif weights is None:
+        w = spec
     else:
         w, wmeta = _weights(graph, module, weights, 0, device)
-        if wmeta != meta["weights"]:
+        if wmeta != wm:
             note = f"; checked with other weights: {_weights_str(wmeta)}"
     v = Verdict(meta, backend, str(device), precision, tol if tol is not None else LOGITS_TOL[precision],
                 near_tie if near_tie is not None else NEAR_TIE[precision], weights_note=note)
