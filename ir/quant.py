@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from ._lazy import LazyModule
 from .types import MXFP4_GROUP
+
+torch = LazyModule("torch")   # imported at the first dequant (ir/_lazy.py)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -32,7 +33,8 @@ class MXFP4Tensor:
         """Index leading dims only (e.g. one expert)."""
         return MXFP4Tensor(self.packed[idx], self.scale[idx])
 
-    def dequant(self, dtype=torch.float32) -> torch.Tensor:
+    def dequant(self, dtype=None) -> torch.Tensor:
+        dtype = torch.float32 if dtype is None else dtype
         table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=self.packed.device)
         p = self.packed.to(torch.int32)
         nib = torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)  # [..., N, K]

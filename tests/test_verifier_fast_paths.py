@@ -137,3 +137,15 @@ def test_random_edits_same_verdict(pipelines, name):
             bad = _edit(bad, rng)
         rejected += bool(_same(bad))
     assert rejected >= 10
+
+
+def test_verify_path_does_not_import_torch():
+    """Reading a schedule and checking it needs the op registry's shapes, not its torch
+    references (ir/_lazy.py): `fusec verify` skips torch's ~2 s import."""
+    import subprocess
+    import sys
+    code = ("import sys; from fusec.compiler import verify_file; "
+            f"ok, _ = verify_file({str(HERE / 'ok_mini.sched')!r}); "
+            "print(ok, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]

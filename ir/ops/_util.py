@@ -1,11 +1,12 @@
 """Shared helpers for op definitions: operand checks and float upcasting for reference math."""
 from __future__ import annotations
 
-import torch
-
+from .._lazy import LazyModule
 from ..quant import MXFP4Tensor
 from ..registry import OpError
 from ..types import DType, TensorType
+
+torch = LazyModule("torch")   # imported at the first reference call (ir/_lazy.py)
 
 
 def f32(t) -> torch.Tensor:

@@ -2,12 +2,13 @@
 shape plumbing and greedy sampling."""
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
+from .._lazy import LazyModule
 from ..registry import Attr, AttrKind, Cost, OpDef, Trait, act, register, default_cost
 from ..types import DType
 from ._util import dtype_attr, f32, need, need_dim, need_dtype, need_rank
+
+torch = LazyModule("torch")   # imported at the first reference call (ir/_lazy.py)
+F = LazyModule("torch.nn.functional")
 
 A = AttrKind
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
-import torch
-import torch.nn.functional as F
-
+from .._lazy import LazyModule
 from ..registry import Attr, AttrKind, Cost, OpDef, Trait, act, register
 from ..types import DType, Kind, TensorType
 from ._util import f32, need, need_dim, need_dtype, need_rank
+
+torch = LazyModule("torch")   # imported at the first reference call (ir/_lazy.py)
+F = LazyModule("torch.nn.functional")
 
 A = AttrKind
 

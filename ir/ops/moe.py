@@ -2,13 +2,14 @@
 the selected ids (SiTU-GLU inside; bf16 or MXFP4 weights) and the weighted combine."""
 from __future__ import annotations
 
-import torch
-
+from .._lazy import LazyModule
 from ..registry import Attr, AttrKind, Cost, OpDef, Trait, act, register
 from ..types import DType
 from ._util import f32, need, need_dim, need_dtype, need_rank
 from .comm import CURRENT_RANK, group_index
 from .core import situ_glu_math
+
+torch = LazyModule("torch")   # imported at the first reference call (ir/_lazy.py)
 
 A = AttrKind
 
