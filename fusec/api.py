@@ -10,6 +10,7 @@ plugs in.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,10 +69,13 @@ class CompiledStep:
         self.vocab = last if isinstance(last, int) else None   # token ids must be below it
         self.check_finite, self.deferred = check_finite, deferred
         self.steps_run = 0          # steps since compile or reset; names the step in errors
-        self._pending = None        # (step index, logits) of a deferred check not read back yet
-        if check_finite and deferred:   # one pinned flag and event, reused: one check is pending at most
-            self._flag_host = torch.ones((), dtype=torch.bool).pin_memory()
-            self._flag_ready = torch.cuda.Event()
+        # Deferred checks not read back yet: (step index, logits, slot). A step reads back the
+        # checks of the step before the previous one only, so the host never waits for the GPU
+        # and one step is always in flight; two pinned slots of (finite, inputs in range) flags.
+        self._pending: collections.deque = collections.deque()
+        if deferred:
+            self._flag_host = torch.ones((2, 2), dtype=torch.bool).pin_memory()
+            self._flag_ready = [torch.cuda.Event(), torch.cuda.Event()]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> StepOutput:
         return self.step(tokens, positions)
@@ -80,7 +84,7 @@ class CompiledStep:
         return self._step(tokens, positions, check_tokens=True)
 
     def _step(self, tokens, positions, check_tokens: bool) -> StepOutput:
-        self.check()
+        self._check(keep=1)
         tokens = torch.as_tensor(tokens)
         positions = torch.as_tensor(positions)
         if tokens.is_floating_point() or positions.is_floating_point() or torch.bool in (tokens.dtype, positions.dtype):
@@ -89,28 +93,42 @@ class CompiledStep:
         if tokens.shape != (self.batch,) or positions.shape != (self.batch,):
             raise ValueError(f"expected tokens and positions of shape [{self.batch}], got "
                              f"{list(tokens.shape)} and {list(positions.shape)}")
-        # one host read per tensor for its bounds (tokens fed back by generate are argmax indices)
-        ends = torch.stack([positions.min(), positions.max()]).tolist()
-        if check_tokens:
-            ends += torch.stack([tokens.min(), tokens.max()]).tolist()
-        if ends[1] >= self.max_len or ends[0] < 0:
-            raise ValueError(f"positions must be in [0, {self.max_len}), got {ends[0]}..{ends[1]}")
-        if check_tokens and (ends[2] < 0 or (self.vocab is not None and ends[3] >= self.vocab)):
-            bad = ends[2] if ends[2] < 0 else ends[3]
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab})")
+        in_range = None
+        if self.deferred and tokens.is_cuda and positions.is_cuda:
+            # Bounds on the device, no host read (which would wait for the step in flight): the
+            # flag is read back with the step's other deferred checks, and the kernel runs on
+            # clamped values, so it never indexes past the cache or the embedding table.
+            hi = self.vocab if (check_tokens and self.vocab is not None) else None
+            in_range = ((positions >= 0) & (positions < self.max_len)).all()
+            if check_tokens:
+                in_range &= (tokens >= 0).all() if hi is None else ((tokens >= 0) & (tokens < hi)).all()
+            positions = positions.clamp(0, self.max_len - 1)
+            if hi is not None:
+                tokens = tokens.clamp(0, hi - 1)
+        else:
+            # one host read per tensor for its bounds (tokens fed back by generate are argmax indices)
+            ends = torch.stack([positions.min(), positions.max()]).tolist()
+            if check_tokens:
+                ends += torch.stack([tokens.min(), tokens.max()]).tolist()
+            if ends[1] >= self.max_len or ends[0] < 0:
+                raise ValueError(f"positions must be in [0, {self.max_len}), got {ends[0]}..{ends[1]}")
+            if check_tokens and (ends[2] < 0 or (self.vocab is not None and ends[3] >= self.vocab)):
+                bad = ends[2] if ends[2] < 0 else ends[3]
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab})")
         tokens = tokens.to(device=self.device, dtype=torch.int32)
         positions = positions.to(device=self.device, dtype=torch.int32)
         logits, nxt = self.runner.run(tokens, positions)
         logits = logits.float()
         k, self.steps_run = self.steps_run, self.steps_run + 1
-        if self.check_finite:
-            ok = torch.isfinite(logits).all()
-            if self.deferred:
-                self._flag_host.copy_(ok, non_blocking=True)
-                self._flag_ready.record()
-                self._pending = (k, logits)
-            elif not bool(ok):
-                self._raise_nonfinite(k, logits)
+        if self.deferred:
+            slot = k % 2
+            ok = torch.isfinite(logits).all() if self.check_finite else torch.ones((), dtype=torch.bool, device=logits.device)
+            rng = in_range if in_range is not None else torch.ones_like(ok)
+            self._flag_host[slot].copy_(torch.stack([ok, rng]), non_blocking=True)
+            self._flag_ready[slot].record()
+            self._pending.append((k, logits, slot))
+        elif self.check_finite and not bool(torch.isfinite(logits).all()):
+            self._raise_nonfinite(k, logits)
         return StepOutput(logits, nxt)
 
     def _raise_nonfinite(self, k: int, logits: torch.Tensor) -> None:
@@ -121,22 +139,31 @@ class CompiledStep:
                               f"{'; ' + where if where else ''}")
 
     def check(self) -> None:
-        """Raise the error of an earlier step still pending (deferred non-finite check, or the
-        backend's own asynchronous checks); waits for that step."""
-        pending, self._pending = self._pending, None
+        """Raise the error of an earlier step still pending (deferred non-finite or input-range
+        check, or the backend's own asynchronous checks); waits for those steps."""
+        self._check(keep=0)
+
+    def _check(self, keep: int) -> None:
+        """Read back every pending check but the newest `keep` steps' (oldest first)."""
         backend_check = getattr(self.runner, "check", None)
         if backend_check is not None:
-            backend_check()       # first: a timed-out kernel's garbage logits are its symptom
-        if pending is not None:
-            k, logits = pending
-            self._flag_ready.synchronize()
-            if not bool(self._flag_host):
+            backend_check(keep=keep)   # first: a timed-out kernel's garbage logits are its symptom
+        while len(self._pending) > keep:
+            k, logits, slot = self._pending.popleft()
+            self._flag_ready[slot].synchronize()
+            finite, in_range = self._flag_host[slot].tolist()
+            if not in_range:
+                self._pending.clear()
+                raise ValueError(f"step {k}: a position outside [0, {self.max_len}) or a token id outside the "
+                                 f"vocabulary [0, {self.vocab}); the step ran on clamped values")
+            if not finite:
+                self._pending.clear()
                 self._raise_nonfinite(k, logits)
 
     def reset(self) -> None:
         """Forget every sequence (zero all state)."""
         self.runner.reset()
-        self.steps_run, self._pending = 0, None
+        self.steps_run, self._pending = 0, collections.deque()
 
     def generate(self, tokens: torch.Tensor, steps: int, start_pos: int = 0) -> torch.Tensor:
         """Greedy decoding: feed `tokens` [B], then each step's next token; returns [steps, B]."""

@@ -329,7 +329,8 @@ def test_in_range_still_runs(tiny_step, capsys):
 
 def _deferred_check(clean, device):
     """A poisoned lm_head under the deferred check: the step returns (the check is pending), the
-    next step (or check()) raises naming the step; a clean model generates."""
+    next step too (one step stays in flight: it never waits for the GPU), the one after it (or
+    check()) raises naming the step; a clean model generates."""
     from fusec.api import CompiledStep
     g, w = clean
     pw = _clone(w)
@@ -338,8 +339,9 @@ def _deferred_check(clean, device):
     step = CompiledStep(ref.graph, ref.runner, 1, 4, device, deferred=True)
     out = step.step(torch.tensor([3]), torch.tensor([0]))          # returns: the check is pending
     assert not torch.isfinite(out.logits).all()
+    step.step(torch.tensor([3]), torch.tensor([1]))
     with pytest.raises(NonFiniteLogits, match=r"^step 0: non-finite logits in batch row\(s\) \[0\]"):
-        step.step(torch.tensor([3]), torch.tensor([1]))
+        step.step(torch.tensor([3]), torch.tensor([2]))
     step.reset()
     step.step(torch.tensor([3]), torch.tensor([0]))
     with pytest.raises(NonFiniteLogits, match=r"^step 0: "):
@@ -353,6 +355,23 @@ def _deferred_check(clean, device):
 def test_deferred_nonfinite_check_on_cuda(clean):
     """The check a non-reference CUDA backend gets: no host sync in the step."""
     _deferred_check(clean, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_deferred_input_range_check_on_cuda(clean):
+    """CUDA tokens and positions are range-checked on the device (no host read): the step runs
+    on clamped values and check() raises naming it."""
+    from fusec.api import CompiledStep
+    g, w = clean
+    ref = fusec.compile(K3, "tiny", weights=_clone(w), device="cuda", max_len=4)
+    step = CompiledStep(ref.graph, ref.runner, 1, 4, "cuda", deferred=True)
+    step.step(torch.tensor([3], device="cuda"), torch.tensor([0], device="cuda"))
+    step.step(torch.tensor([3], device="cuda"), torch.tensor([7], device="cuda"))
+    with pytest.raises(ValueError, match=r"^step 1: a position outside \[0, 4\)"):
+        step.check()
+    step.step(torch.tensor([10 ** 6], device="cuda"), torch.tensor([1], device="cuda"))
+    with pytest.raises(ValueError, match=r"^step 2: .*token id outside the vocabulary"):
+        step.check()
 
 
 def test_deferred_nonfinite_check_logic_on_cpu(clean, monkeypatch):

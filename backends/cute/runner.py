@@ -12,6 +12,8 @@ outputs. The kernel computes in bf16 (fp32 accumulation): precision "fp32" is re
 """
 from __future__ import annotations
 
+import collections
+
 from fusec.ir.graph import Graph
 from fusec.ir.types import DType
 
@@ -71,9 +73,10 @@ class CuteRunner:
         self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device)
         # run(): graph replay, error words read back without a sync (see run and check).
         self._graph = None
-        self._err_host = torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory()
-        self._err_ready = torch.cuda.Event()
-        self._pending = False
+        # Two pinned slots: step k's words land in slot k % 2 while step k - 1 may still run.
+        self._err_host = torch.zeros((2, ERR_WORDS), dtype=torch.int32).pin_memory()
+        self._err_ready = [torch.cuda.Event(), torch.cuda.Event()]
+        self._pending: collections.deque = collections.deque()   # slots launched, not read back
         self.reset()
 
     def lowered_reference(self, device=None, precision: str = "bf16"):
@@ -101,26 +104,29 @@ class CuteRunner:
             kernel.step()
             kernel.check()
             return [self.mem.tensor(n).clone() for n in self.out_names]
-        self.check()
+        self.check(keep=1)
         self._write_inputs(tokens, positions)
         if self._graph is None:
             self._graph = self.kernel.capture_graph()
         self._graph.replay()
+        slot = self.kernel.steps_launched % 2
         self.kernel.steps_launched += 1
-        self._err_host.copy_(self.kernel.err[:ERR_WORDS], non_blocking=True)
-        self._err_ready.record()
-        self._pending = True
+        self._err_host[slot].copy_(self.kernel.err[:ERR_WORDS], non_blocking=True)
+        self._err_ready[slot].record()
+        self._pending.append(slot)
         return [self.mem.tensor(n).clone() for n in self.out_names]
 
-    def check(self) -> None:
-        """Raise MegakernelTimeout if a step launched by `run` timed out (waits for that step)."""
-        if not self._pending:
-            return
-        self._err_ready.synchronize()
-        self._pending = False
-        if int(self._err_host[ErrWord.FLAG]):
+    def check(self, keep: int = 0) -> None:
+        """Raise MegakernelTimeout if a step launched by `run` timed out; waits for every pending
+        step but the newest `keep` (run keeps one in flight: it never waits for the GPU)."""
+        while len(self._pending) > keep:
+            slot = self._pending.popleft()
+            self._err_ready[slot].synchronize()
+            if not int(self._err_host[slot, ErrWord.FLAG]):
+                continue
+            self._pending.clear()
             from .runtime import MegakernelTimeout
-            e = self._err_host.tolist()
+            e = self._err_host[slot].tolist()
             raise MegakernelTimeout({f.name.lower(): e[f] for f in ErrWord if f != ErrWord.FLAG})
 
     def _write_inputs(self, tokens, positions) -> None:
