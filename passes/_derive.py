@@ -288,8 +288,15 @@ class Derived:
                             pro_loads[v.name] = ctx.fb[v.name]
                     for v in o.outputs:
                         pro_boxes[v.name] = ctx.fb[v.name]
-                per_op = [(o, o.opdef.addressed_by, [(v.name, v.name in produced, st[v.name]) for v in o.inputs],
-                           [st[o.inputs[j].name] for j in range(len(o.inputs))]) for o in tiled]
+                # per tiled op: its operands read from outside the task (index, value, the storage
+                # addressing it or None), and its output name when it has one output (whose box
+                # is the op's box, `out_boxes`' contract), else None
+                per_op = []
+                for o in tiled:
+                    ab = o.opdef.addressed_by or {}
+                    ext = [(i, v.name, st[o.inputs[ab[i]].name] if i in ab else None)
+                           for i, v in enumerate(o.inputs) if v.name not in produced]
+                    per_op.append((o, ext, o.outputs[0].name if len(o.outputs) == 1 else None))
                 stored = [(v.name, st[v.name]) for o in ops for v in o.outputs
                           if v.name in ctx.outputs or any(id(u) not in members for u in ctx.users.get(v.name, ()))]
                 prim = ctx.shape[(anchor or ops[-1]).outputs[0].name]
@@ -305,6 +312,7 @@ class Derived:
             return fam[1]
         _, anchor, pro_loads, pro_boxes, per_op, stored, last_fb, _ = fam
         ctx = self.ctx
+        st = ctx.storage
         tile = t.tile
         if tile.__class__ is not tuple or any(d.__class__ is not tuple for d in tile):
             tile = tuple(map(tuple, tile))
@@ -313,25 +321,30 @@ class Derived:
         loads = dict(pro_loads)
         boxes = dict(pro_boxes)
         addr: dict[str, str] = {}
-        for o, ab, ins, srcs in per_op:
+        fb = ctx.fb
+        for o, ext, single in per_op:
             if tile is None:
-                ob = ctx.fb[o.outputs[0].name]
+                ob = fb[o.outputs[0].name]
             elif o is anchor or anchor is None:
                 ob = tile
             else:
                 ob = _op_box(ctx, o, boxes, tile)
                 if ob is None:
                     continue
-            for i, ((vn, made, sto), bx) in enumerate(zip(ins, input_boxes(ctx, o, ob, o is anchor))):
-                if made or bx is None:
+            bxs = input_boxes(ctx, o, ob, o is anchor)
+            for i, vn, src in ext:
+                bx = bxs[i] if i < len(bxs) else None
+                if bx is None:
                     continue
-                loads[vn] = box_hull(loads.get(vn), bx)
-                if ab:
-                    src = ab.get(i)
-                    if src is not None:
-                        addr[sto] = srcs[src]
-            for v, bx in zip(o.outputs, out_boxes(ctx, o, ob)):
-                boxes[v.name] = bx
+                old = loads.get(vn)
+                loads[vn] = bx if old is None or old == bx else box_hull(old, bx)
+                if src is not None:
+                    addr[st[vn]] = src
+            if single is not None:
+                boxes[single] = ob
+            else:
+                for v, bx in zip(o.outputs, out_boxes(ctx, o, ob)):
+                    boxes[v.name] = bx
         st = ctx.storage
         reads: dict[str, list] = {}
         for vn, bx in loads.items():
@@ -357,6 +370,7 @@ class Derived:
             ds: dict[str, list] = {}
             mem = []
             computes, last_load, first_store = [], -1, None
+            foreign = False         # a LOAD/STORE names another rank's copy
             for k, i in enumerate(t.instrs):
                 kind = i.kind
                 if kind is not LOAD and kind is not STORE:
@@ -379,7 +393,14 @@ class Derived:
                                               f"tensor"))
                     bad = True
                 mem.append((kind, r, buf))
-                (dl if kind is LOAD else ds).setdefault(buf, []).append(r.box) if r.rank in own else None
+                if r.rank is None or r.rank == t.rank:
+                    got = (dl if kind is LOAD else ds).get(buf)
+                    if got is None:
+                        (dl if kind is LOAD else ds)[buf] = [r.box]
+                    else:
+                        got.append(r.box)
+                else:
+                    foreign = True
             if bad:
                 fatal = True
                 continue
@@ -395,8 +416,7 @@ class Derived:
                                           f"{'compute line' if computes and fs < computes[0] else 'last LOAD'}: "
                                           f"it stores what is not computed yet", _rs(t.instrs[fs].region)))
             reads, writes, _, coll, err = self.derive(t)
-            if not err and not coll and dl == reads and ds == writes and all(r.rank in own for _, r, _ in mem) \
-                    and self._tile_ok(t):
+            if not err and not coll and not foreign and dl == reads and ds == writes and self._tile_ok(t):
                 continue      # fast path: exactly the derived regions, box for box (in bounds: the tile is)
             for kind, r, buf in mem:
                 sh = shape[r.tensor]
