@@ -81,10 +81,9 @@ def emit_collective(ctx: _Ctx, name: str, op: Op) -> list[Unit]:
     return [local]
 
 
-# (cache row, head, batch row) triples one split-sequence MLA partial task should walk at most:
-# on the H200 the MLA body takes ~1.4 ms for 114 rows x 64 heads (measured, benchmarks/
-# cute_speed.py profile); the scores of one row are a dependent chain of loads and reductions.
-MLA_PAIRS_PER_TASK = 1024
+# Cache rows per split-sequence chunk at least: one shared-memory stage of the CuTe backend's
+# tensor-core partial body (MLA_SR); a shorter chunk only adds partials for the combine to read.
+MLA_MIN_CHUNK_ROWS = 32
 
 
 def split_sequence(g: Graph, dims, sms: int, logf) -> int:
@@ -100,10 +99,13 @@ def split_sequence(g: Graph, dims, sms: int, logf) -> int:
         cache = op.inputs[2]
         cb = cache.type.nbytes(dims)
         rows = cache.type.concrete(dims)[1]
-        # Enough bytes per chunk, and not too many (cache row, head) pairs: a partial task walks
-        # its rows one after another for every head (latency-bound, see MLA_PAIRS_PER_TASK).
-        pairs = rows * int(op.attrs["heads"]) * cache.type.concrete(dims)[0]
-        chunks = min(sms, rows, max(math.ceil(cb / _units.MIN_TASK_BYTES), math.ceil(pairs / MLA_PAIRS_PER_TASK)))
+        # One partial task per (chunk, batch row): as few chunks as fill the SMs, since every
+        # chunk writes heads x (kv_lora + 2) fp32 per batch row for the combine to read back
+        # (at 31-row chunks that was 5.5x the cache's own bytes), and at least a stage of rows.
+        batch = cache.type.concrete(dims)[0]
+        chunks = min(max(1, sms // batch), math.ceil(rows / MLA_MIN_CHUNK_ROWS))
+        if cb < _units.MIN_TASK_BYTES:
+            chunks = 1
         if chunks <= 1:
             new_ops.append(op)
             continue

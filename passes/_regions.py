@@ -57,7 +57,8 @@ def input_boxes(ctx, op: Op, obox, anchor: bool):
     if name == "mla_attention_partial":             # obox [c0:c1, B, H, lora+2]: cache chunk rows
         L, S = sh[2][1], op.attrs["chunks"]
         rows = (chunk_rows(L, S, obox[0][0])[0], chunk_rows(L, S, obox[0][1] - 1)[1])
-        return [full[0], full[1], (full[2][0], rows, full[2][2]), full[3]]
+        b = obox[1]                                 # the batch rows of q, the cache and pos
+        return [(b,) + full[0][1:], (b,) + full[1][1:], (b, rows, full[2][2]), (b,)]
     if name == "attention_combine":                 # obox [B, h0:h1, D]
         return [(full[0][0], full[0][1], obox[1], full[0][3])]
     if name == "cache_append":                      # writes row pos[b]; reads no cache row

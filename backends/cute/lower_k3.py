@@ -165,7 +165,8 @@ class K3Lowering:
         if kind == "mla_attention":
             return self._mla(t, op, redirect)
         if kind == "mla_attention_partial":
-            return self._mla(t, op, redirect, chunks=(t.tile[0][0], t.tile[0][1], int(at["chunks"])))
+            return self._mla(t, op, redirect, chunks=(t.tile[0][0], t.tile[0][1], int(at["chunks"])),
+                             brows=tuple(t.tile[1]))
         if kind == "attention_combine":
             pv = view(ins[0])
             S, B, H, W = pv.shape
@@ -248,9 +249,10 @@ class K3Lowering:
                          sub=ExpertMode.GLU if glu else ExpertMode.DOWN, p0=(j0 << 16) | j1, p1=topk,
                          p2=(b0 << 16) | b1), tuple(fields))]
 
-    def _mla(self, t, op, redirect, chunks=None):
+    def _mla(self, t, op, redirect, chunks=None, brows=None):
         """MLA PARTIAL rows (+ COMBINE for an unsplit mla_attention). `chunks` = (c0, c1, S) for
-        a split-sequence partial task: chunks c0..c1 of S, written to the partials value."""
+        a split-sequence partial task: chunks c0..c1 of S, written to the partials value;
+        `brows` = the task's batch rows (all when None; a part of them needs one chunk)."""
         ql, qpe, cache, pos = (v.name for v in op.inputs)
         at = op.attrs
         h, rope, lora = int(at["heads"]), int(at["rope"]), int(at["kv_lora"])
@@ -258,11 +260,14 @@ class K3Lowering:
             raise self.error(f"mla_attention %{op.outputs[0].name} tiled over heads {t.tile[1]}: "
                              "only whole-head tiles are supported")
         off = lambda n: self._off(n, redirect)  # noqa: E731
+        b0, b1 = brows or (0, self.B)
         rows = []
         qv = self._v(qpe, redirect)
         if qv.dtype is not DType.bf16 or qv.strides[-1] != 1:
             raise self.error(f"{op.opname} %{op.outputs[0].name}: q_pe must be bf16 with contiguous rope dims")
         c0, c1, S = chunks or (0, 1, 1)
+        if (b0, b1) != (0, self.B) and c1 != c0 + 1:
+            raise self.error(f"{op.opname} %{op.outputs[0].name}: a task over part of the batch takes one chunk")
         if chunks is None:
             part = self.mem.byte_offset(self._scratch(f"scratch.t{t.id}.mla_partials", DType.f32,
                                                       (S, self.B, h, lora + 2)))
@@ -272,7 +277,7 @@ class K3Lowering:
         common = dict(k=lora, ldx=cv.shape[1], ldy=h, p0=self.B * h, p1=S, p2=rope,
                       aux=f32_pair(float(at["scale"])))
         rows.append((TaskRow(Opcode.MLA, t.id, a0=off(ql), a1=off(qpe), a3=off(cache), a4=off(pos),
-                             a6=qv.strides[1], a7=qv.strides[0], a2=part, n0=c0 * self.B, n1=c1 * self.B,
+                             a6=qv.strides[1], a7=qv.strides[0], a2=part, n0=c0 * self.B + b0, n1=(c1 - 1) * self.B + b1,
                              sub=MlaMode.PARTIAL, **common), ("a0", "a1", "a2", "a3", "a4")))
         if chunks is not None:
             return rows
