@@ -232,9 +232,27 @@ def _early_signal(s, rng):
         for i in t.instrs:
             if i.kind is InstrKind.SIGNAL:
                 counts[(i.peer, i.event)] = counts.get((i.peer, i.event), 0) + 1
-    # prefer a counter with one signaler: its early signal alone releases the consumer
-    alone = [x for x in sites if counts[(s.tasks[x[0]].instrs[x[1]].peer, s.tasks[x[0]].instrs[x[1]].event)] == 1]
-    tid, k, first = _pick(rng, alone or sites, "no task signals after a store")
+    # prefer a signal that orders data (a task waiting on its counter loads what the signaler
+    # stores: an ack of consumed comm slots does not) on a counter with one signaler (its early
+    # signal alone releases the consumer)
+    waiters: dict[int, set] = {}
+    for t in s.tasks:
+        loads = {i.region.tensor for i in t.instrs if i.kind is InstrKind.LOAD}
+        for i in t.instrs:
+            if i.kind is InstrKind.WAIT:
+                waiters.setdefault(i.event, set()).update(loads)
+
+    def orders_data(x):
+        t = s.tasks[x[0]]
+        stored = {i.region.tensor for i in t.instrs if i.kind is InstrKind.STORE}
+        return bool(stored & waiters.get(t.instrs[x[1]].event, set()))
+
+    def alone(x):
+        i = s.tasks[x[0]].instrs[x[1]]
+        return counts[(i.peer, i.event)] == 1
+
+    data = [x for x in sites if orders_data(x)]
+    tid, k, first = _pick(rng, [x for x in data if alone(x)] or data or sites, "no task signals after a store")
     t = s.tasks[tid]
     ins = t.instrs.pop(k)
     t.instrs.insert(first, ins)
