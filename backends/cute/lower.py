@@ -30,6 +30,7 @@ from fusec.ir.types import DType, Kind, TensorType
 from .lower_k3 import K3_OPS, K3Lowering
 from .memory import MemoryPlan, View, build_memory_plan
 from .prefetch import add_weight_prefetch, check_prefetch
+from .table_verify import check_plan
 from .plan import (H200_SMS, NO_EVENT, EwOp, F32Flag, KernelPlan, Opcode, TaskRow, f32_bits, f32_pair)
 
 # Ops that are views in the memory plan: no task row.
@@ -67,8 +68,10 @@ class Lowered:
         # H200 (slice4-e128, 3439 -> 3309 us); the tensor-core bodies at batch > 1 keep 4.
         kw.setdefault("unroll", 8 if self.batch == 1 else 4)
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
-        return KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
+        plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)
+        check_plan(self, plan, base)    # verify what runs: the packed table against the schedule
+        return plan
 
     def table_text(self) -> str:
         """The task table with arena offsets (deterministic: no device addresses)."""

@@ -1,0 +1,648 @@
+"""Verify what runs: the packed task table of the CuTe megakernel against the verified Schedule.
+
+The memory-order verifier (passes/memory_order.py) proves the Schedule's LOAD / WAIT / STORE /
+SIGNAL lines race-free; the kernel reads none of them. It walks the int64 rows of the task table
+(`KernelPlan.table_words()`, the words uploaded to the GPU). This module decodes those words back,
+from the documented row layout (`plan.Word` and the `Opcode` / `EwOp` / `ExpertMode` / `MlaMode`
+docstrings in plan.py, the same source tests/cute_table_interp.py restates), never from the
+lowering's own data structures:
+
+* the rows of each CTA queue and the task each row belongs to;
+* per row: its wait (event, per-step count, offset) and its signal;
+* per row: the byte ranges of the arena it reads and writes, from its opcode's operands
+  (addresses, row strides, column ranges, batch rows, slots; a range picked at run time, an
+  expert id, a token id, a cache position, is taken over every value it can have);
+* per row: its L2 prefetch range (PF_ADDR / PF_BYTES).
+
+and checks them against the Schedule, mapping each LOAD / STORE region through the memory plan
+(the arena layout: a region's box becomes byte ranges of its tensor's view):
+
+T1  CTA c runs the tasks of the Schedule's queue (rank 0, sm c) in that order, each task's rows
+    back to back; every task has rows, every row a task.
+T2  a task's rows wait on exactly the task's WAITs (event, WAIT_PER_STEP = the event's per_step,
+    WAIT_OFFSET = threshold - per_step), each on a row before any row of the task touches memory
+    other than static weights (the kernel waits at a row's start).
+T3  a task's rows signal exactly the task's SIGNAL events, each on or after the last row that
+    writes memory (the kernel signals after the row's stores).
+T4  every byte a row writes lies in its task's STOREs, or is private to the task: no other task's
+    rows or Schedule lines touch it (per-task scratch, values computed and used inside the task);
+    no row writes a weight, a constant or a step input; and the rows write every STORE byte.
+T5  every byte a row reads lies in its task's LOADs, or was written by an earlier row of the same
+    task, or is a lowering constant (a weight-kind region that is no graph value: RoPE tables,
+    transposed MLA weights, ATTN_RES source tables).
+T6  a prefetch range lies in one static weight (a weight-kind region no row writes) and inside
+    its task's LOADs of that weight.
+
+`check_plan(lowered, plan, base)` raises `TableVerifyError` (one line naming the rule, the task,
+the CTA and the row) on the first table that breaks a rule; `verify_table` returns every
+violation. It runs on every `Lowered.plan()`, i.e. whenever the backend lowers.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from fusec.ir.schedule import InstrKind, Schedule
+from fusec.ir.types import DType, Kind
+
+from .memory import MemoryPlan, itemsize
+from .plan import NO_EVENT, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, Word
+
+
+class TableVerifyError(ValueError):
+    """The lowered task table does not do what the verified Schedule says."""
+
+
+@dataclass(frozen=True)
+class TableViolation:
+    rule: str
+    task: int | None
+    message: str
+    cta: int | None = None
+    row: int | None = None
+
+    def __str__(self) -> str:
+        where = "table" if self.task is None else f"task {self.task}"
+        if self.cta is not None:
+            where += f" (CTA {self.cta}" + (f", row {self.row})" if self.row is not None else ")")
+        return f"{self.rule}: {where}: {self.message}"
+
+
+# -- byte ranges -----------------------------------------------------------------------------------
+def _merge(iv):
+    """Sorted, disjoint, non-empty [start, end) ranges covering the same bytes."""
+    out = []
+    for a, b in sorted(x for x in iv if x[1] > x[0]):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1][1] = b
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _minus(a, b):
+    """Merged ranges `a` without merged ranges `b`."""
+    out, j = [], 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k, cur = j, s
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def _strided(off: int, es: int, shape, strides, box) -> list:
+    """Byte ranges of the elements `box` (per dim [lo, hi)) of a strided view at byte `off`."""
+    box = [tuple(x) for x in box]
+    if any(hi <= lo for lo, hi in box):
+        return []
+    n = len(box)
+    if n == 0:
+        return [(off, off + es)]
+    if strides[-1] != 1:                          # element by element
+        k, run, first = n, 1, 0
+    else:
+        # the innermost run: the last dim, grown over outer dims while every dim inside is
+        # covered whole and lies contiguously
+        k = n - 1
+        while k > 0 and box[k] == (0, shape[k]) and strides[k - 1] == shape[k] * strides[k]:
+            k -= 1
+        run, first = (box[k][1] - box[k][0]) * strides[k], box[k][0] * strides[k]
+    starts = [0]
+    for d in range(k):
+        lo, hi = box[d]
+        starts = [x + i * strides[d] for x in starts for i in range(lo, hi)]
+    return [(off + (x + first) * es, off + (x + first + run) * es) for x in starts]
+
+
+def _rows(addr, es, rows, ld, c0, c1) -> list:
+    """Columns c0..c1 of the given rows of a [*, ld] matrix at byte `addr`."""
+    if c1 <= c0:
+        return []
+    return [(addr + (r * ld + c0) * es, addr + (r * ld + c1) * es) for r in rows]
+
+
+# -- decoding the table ----------------------------------------------------------------------------
+class _Arena:
+    """The memory plan as byte ranges: which region holds an offset, which regions are static."""
+
+    def __init__(self, mem: MemoryPlan, schedule: Schedule):
+        self.mem = mem
+        self.regs = sorted(mem.regions.values(), key=lambda r: r.offset)
+        self.starts = [r.offset for r in self.regs]
+        g = schedule.graph
+        graph_regions = {mem.view(v.name).region for v in g.values() if v.name in mem.views}
+        graph_regions |= {n + ".scale" for n in list(graph_regions) if n + ".scale" in mem.regions}
+        self.kind = {r.name: r.kind for r in self.regs}
+        # lowering constants: weight-kind regions no graph value lives in
+        self.consts = {r.name for r in self.regs if r.kind is Kind.weight and r.name not in graph_regions}
+        self.inputs = {mem.view(v.name).region for v in g.params if v.kind is Kind.io and v.name in mem.views}
+
+    def region_at(self, off: int):
+        i = bisect.bisect_right(self.starts, off) - 1
+        r = self.regs[i] if i >= 0 else None
+        return r if r is not None and off < r.offset + r.nbytes else None
+
+    def names(self, iv) -> set:
+        out = set()
+        for a, b in iv:
+            i = max(0, bisect.bisect_right(self.starts, a) - 1)
+            while i < len(self.regs) and self.regs[i].offset < b:
+                r = self.regs[i]
+                if r.offset + r.nbytes > a:
+                    out.add(r.name)
+                i += 1
+        return out
+
+    def const_ranges(self):
+        return _merge([(r.offset, r.offset + r.nbytes) for r in self.regs if r.name in self.consts])
+
+
+def _f32(flag: int, bit) -> int:
+    return 4 if flag & bit else 2
+
+
+class _Static(list):
+    """The byte ranges of an operand that must be a static weight or lowering table."""
+
+
+def footprint(w, B: int, base: int, arena: _Arena, consts: dict) -> tuple[list, list]:
+    """(operands read, operands written) of one row `w` (ROW_WORDS ints): per operand its byte
+    ranges as arena offsets (`_Static` for weights and tables). Stated from plan.py's opcode
+    docstrings; run-time picks (expert ids, token ids, cache positions) are covered over all the
+    values they can take, counted from the operand's region."""
+    op = w[Word.OPCODE]
+    a = [w[Word.A0], w[Word.A1], w[Word.A2], w[Word.A3], w[Word.A4], w[Word.A5], w[Word.A6], w[Word.A7]]
+    n0, n1, K, ldx, ldy, aux = w[Word.N0], w[Word.N1], w[Word.K], w[Word.LDX], w[Word.LDY], w[Word.AUX]
+    sub, p0, p1, p2 = w[Word.SUB], w[Word.P0], w[Word.P1], w[Word.P2]
+
+    def at(i):                      # operand i as an arena offset
+        return a[i] - base
+
+    R, Wr = [], []
+
+    def RS(iv):                     # an operand the docstrings make a weight or table: static
+        R.append(_Static(iv))
+
+    allb = range(B)
+    if op == Opcode.NOP:
+        return R, Wr
+    if op in (Opcode.GEMV_BF16, Opcode.GEMV_MXFP4):
+        if op == Opcode.GEMV_BF16:
+            RS([(at(0) + n0 * K * 2, at(0) + n1 * K * 2)])
+        else:
+            RS([(at(0) + n0 * K // 2, at(0) + n1 * K // 2)])
+            RS([(at(3) + n0 * K // 32, at(3) + n1 * K // 32)])
+        R.append(_rows(at(1), 2, allb, ldx, 0, K))
+        Wr.append(_rows(at(2), _f32(p1, F32Flag.OUT), allb, ldy, n0, n1))
+    elif op == Opcode.RMSNORM:
+        R.append(_rows(at(0), 2, range(n0, n1), ldx, 0, K))
+        RS([(at(1), at(1) + 2 * K)])
+        Wr.append(_rows(at(2), 2, range(n0, n1), ldy, 0, K))
+    elif op in (Opcode.EXPERT_BF16, Opcode.EXPERT_MXFP4):
+        mx = op == Opcode.EXPERT_MXFP4
+        b0, b1, s0, s1, rows_e = p2 >> 16, p2 & 0xFFFF, p0 >> 16, p0 & 0xFFFF, aux
+        glu = sub == ExpertMode.GLU
+        for b in range(b0, b1):                                   # router ids of the pairs
+            R.append([(at(4) + (b * p1 + s0) * 4, at(4) + (b * p1 + s1) * 4)])
+        wts = [(0, 3), (5, 6)] if glu else [(0, 3)]
+        for wi, si in wts:                                        # rows n0..n1 of every expert
+            rb = K // 2 if mx else K * 2
+            reg = arena.region_at(at(wi))       # the experts: as many as the weight holds
+            E = reg.nbytes // (rows_e * rb) if reg is not None and rows_e else 0
+            RS([(at(wi) + (e * rows_e + n0) * rb, at(wi) + (e * rows_e + n1) * rb) for e in range(E)] or [(-1, 0)])
+            if mx:
+                sb = K // 32
+                RS([(at(si) + (e * rows_e + n0) * sb, at(si) + (e * rows_e + n1) * sb) for e in range(E)] or [(-1, 0)])
+        for b in range(b0, b1):
+            if glu:
+                R.append(_rows(at(1), 2, [b], ldx, 0, K))
+            for s in range(s0, s1):
+                if not glu:
+                    R.append(_rows(at(1), 2, [b], ldx, s * K, (s + 1) * K))
+                Wr.append(_rows(at(2), 2 if glu else 4, [b], ldy, s * rows_e + n0, s * rows_e + n1))
+    elif op == Opcode.EW:
+        _ew(w, at, B, arena, R, Wr, RS)
+    elif op == Opcode.ROUTER:
+        R.append(_rows(at(0), _f32(p1, F32Flag.A0), range(n0, n1), ldx, 0, K))
+        RS([(at(1), at(1) + 4 * K)])
+        Wr.append(_rows(at(2), 4, range(n0, n1), ldy, 0, p0))
+        Wr.append(_rows(at(3), 4, range(n0, n1), ldy, 0, p0))
+    elif op == Opcode.KDA:
+        H, D = p0, K
+        for i in range(n0, n1):
+            b, h = divmod(i, H)
+            for q in (0, 1, 5):
+                R.append(_rows(at(q), 2, [b], ldx, h * D, (h + 1) * D))
+            R.append(_rows(at(6), 4, [b], ldx, h * D, (h + 1) * D))
+            es = _f32(p1, F32Flag.A0)
+            R.append([(at(4) + (b * H + h) * es, at(4) + (b * H + h + 1) * es)])
+            st = (at(3) + (b * H + h) * D * D * 4, at(3) + (b * H + h + 1) * D * D * 4)
+            R.append([st])
+            Wr.append([st])
+            Wr.append(_rows(at(2), 4, [b], ldy, h * D, (h + 1) * D))
+    elif op == Opcode.ATTN_RES:
+        J = p1
+        table = arena.region_at(at(0))
+        spec = consts.get(table.name) if table is not None and at(0) == table.offset else None
+        rel = spec[1] if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "rel_ptrs" else ()
+        RS([(at(0), at(0) + 8 * J)])
+        for j in range(J):
+            if j >= len(rel):
+                R.append([(-1, 0)])     # a source the table does not name: no address the check accepts
+                continue
+            R.append(_rows(at(0) + rel[j], 2, range(n0, n1), ldx, 0, K))
+        for q in (1, 5, 6):
+            RS([(at(q), at(q) + 2 * K)])
+        Wr.append(_rows(at(2), 2, range(n0, n1), ldy, 0, K))
+        Wr.append(_rows(at(7), 2, range(n0, n1), ldy, 0, K))
+    elif op == Opcode.MLA:
+        H, S = ldy, p1
+        if sub == MlaMode.PARTIAL:
+            Rr, L = p2, ldx
+            for i in range(n0, n1):
+                c, b = divmod(i, B)
+                R.append([(at(0) + b * H * K * 2, at(0) + (b + 1) * H * K * 2)])
+                for h in range(H):
+                    e0 = b * a[7] + h * a[6]
+                    R.append([(at(1) + e0 * 2, at(1) + (e0 + Rr) * 2)])
+                lo, hi = c * L // S, (c + 1) * L // S
+                row = K + Rr
+                R.append([(at(3) + (b * L + lo) * row * 2, at(3) + (b * L + hi) * row * 2)])
+                R.append([(at(4) + 4 * b, at(4) + 4 * b + 4)])
+                blk = H * (K + 2) * 4
+                Wr.append([(at(2) + (c * B + b) * blk, at(2) + (c * B + b + 1) * blk)])
+        else:
+            for i in range(n0, n1):
+                b, h = divmod(i, H)
+                for c in range(S):
+                    e = ((c * B + b) * H + h) * (K + 2)
+                    R.append([(at(0) + e * 4, at(0) + (e + K + 2) * 4)])
+                Wr.append([(at(2) + i * K * 2, at(2) + (i + 1) * K * 2)])
+    elif op == Opcode.ATTENTION:
+        H, D, grp = p0, K, p2
+        kvw = (H // grp) * D if grp else 0
+        L = p1 // kvw if kvw else 0
+        for i in range(n0, n1):
+            b, h = divmod(i, H)
+            R.append(_rows(at(0), 2, [b], ldx, h * D, (h + 1) * D))
+            kv = (h // grp) * D
+            for q in (1, 5):
+                R.append(_rows(at(q) + b * p1 * 2, 2, range(L), kvw, kv, kv + D))
+            R.append([(at(4) + 4 * b, at(4) + 4 * b + 4)])
+            Wr.append(_rows(at(2), 2, [b], ldy, h * D, (h + 1) * D))
+    elif op == Opcode.ARGMAX:
+        R.append(_rows(at(0), _f32(p1, F32Flag.A0), range(n0, n1), ldx, 0, K))
+        Wr.append([(at(2) + 4 * n0, at(2) + 4 * n1)])
+    else:
+        R.append([(-1, 0)])             # an opcode this decoder does not know: nothing it reads is accepted
+    return R, Wr
+
+
+def _ew(w, at, B, arena, R, Wr, RS) -> None:
+    """EW rows: columns N0..N1 of every batch row (plan.EwOp)."""
+    n0, n1, ldx, ldy = w[Word.N0], w[Word.N1], w[Word.LDX], w[Word.LDY]
+    sub, p0, fl, p2 = w[Word.SUB], w[Word.P0], w[Word.P1], w[Word.P2]
+    allb = range(B)
+    ea, eb, eo = _f32(fl, F32Flag.A0), _f32(fl, F32Flag.A1), _f32(fl, F32Flag.OUT)
+    e3 = _f32(fl, F32Flag.A3)
+    if sub == EwOp.APPEND:                   # cache (A1)[b, pos[b], c] = a[b, c]: every row pos can name
+        R.append(_rows(at(0), ea, allb, ldx, n0, n1))
+        R.append([(at(3), at(3) + 4 * B)])
+        L = p0 // ldy if ldy else 0
+        for b in allb:
+            Wr.append(_rows(at(1) + b * p0 * eb, eb, range(L), ldy, n0, n1))
+        return
+    if sub == EwOp.WSUM:                     # sum_j<P2 b[b, j] * a[b, j, c], slot stride P0
+        for b in allb:
+            for j in range(p2):
+                R.append([(at(0) + (b * ldx + j * p0 + n0) * ea, at(0) + (b * ldx + j * p0 + n1) * ea)])
+        R.append([(at(1), at(1) + 4 * B * p2)])
+    elif sub == EwOp.GATHER:                 # table (A0)[ids[b], c]: every row an id can name
+        reg = arena.region_at(at(0))       # the ids: as many rows as the table holds
+        rows = reg.nbytes // (ldx * ea) if reg is not None and ldx else 0
+        RS(_rows(at(0), ea, range(rows), ldx, n0, n1) or [(-1, 0)])
+        R.append([(at(3), at(3) + 4 * B)])
+    else:
+        R.append(_rows(at(0), ea, allb, ldx, n0, n1))
+        if sub in (EwOp.ADD, EwOp.SIGMOID_MUL, EwOp.SITU_GLU, EwOp.SILU_MUL, EwOp.GATED_RMS, EwOp.KDA_GATE):
+            R.append(_rows(at(1), eb, allb if p0 else [0], p0, n0, n1))
+        if sub == EwOp.KDA_GATE:             # A_log per head: element c // P2
+            RS([(at(3) + (n0 // p2) * e3, at(3) + ((n1 - 1) // p2 + 1) * e3)])
+        elif sub in (EwOp.GATED_RMS, EwOp.RMS):   # norm weight: element c % P2
+            if n1 - n0 >= p2:
+                RS([(at(3), at(3) + p2 * e3)])
+            else:
+                lo, hi = n0 % p2, (n1 - 1) % p2 + 1
+                RS([(at(3) + lo * e3, at(3) + hi * e3)] if lo < hi else
+                         [(at(3) + lo * e3, at(3) + p2 * e3), (at(3), at(3) + hi * e3)])
+        elif sub == EwOp.CONV:               # state [B, C, W-1] (batch stride P0) in place, w [C, W]
+            Wd = p2
+            for b in allb:
+                st = (at(1) + (b * p0 + n0 * (Wd - 1)) * eb, at(1) + (b * p0 + n1 * (Wd - 1)) * eb)
+                R.append([st])
+                Wr.append([st])
+            RS([(at(3) + n0 * Wd * e3, at(3) + n1 * Wd * e3)])
+        elif sub == EwOp.ROPE:               # pos (A3) and inv_freq (A4, fp32 [P2 / 2])
+            R.append([(at(3), at(3) + 4 * B)])
+            RS([(at(4), at(4) + 4 * (p2 // 2))])
+        elif sub not in (EwOp.ADD, EwOp.SIGMOID_MUL, EwOp.SITU_GLU, EwOp.SILU_MUL, EwOp.SIGMOID, EwOp.COPY,
+                         EwOp.L2_NORM):
+            R.append([(-1, 0)])                # an EW sub-opcode this decoder does not know
+    Wr.append(_rows(at(2), eo, allb, ldy, n0, n1))
+
+
+# -- the check -------------------------------------------------------------------------------------
+# ops whose result is a view of their operand's bytes in the memory plan (memory.py): a task of
+# them stores nothing itself
+VIEW_OPS = ("slice", "reshape")
+
+
+def _task_bytes(s: Schedule, mem: MemoryPlan):
+    """Per task: (LOAD bytes, STORE bytes, STORE bytes its rows must write, LOAD bytes per tensor)
+    through the memory plan. A STORE of a view (slice, reshape) whose bytes the task loads is
+    already in place."""
+    g = s.graph
+    mx = {v.name for v in g.params if v.type.dtype is DType.mxfp4}
+    views = {o.outputs[0].name for o in g.ops if o.opname in VIEW_OPS}
+    out = {}
+    cache: dict = {}
+    for t in s.tasks:
+        ld, st, must, wl = [], [], [], defaultdict(list)
+        for i in t.instrs:
+            if i.kind not in (InstrKind.LOAD, InstrKind.STORE) or i.region.rank not in (None, t.rank):
+                continue
+            key = (i.region.tensor, i.region.box)
+            iv = cache.get(key)
+            if iv is None:
+                iv = cache[key] = _region_bytes(mem, i.region.tensor, i.region.box, i.region.tensor in mx)
+            (ld if i.kind is InstrKind.LOAD else st).extend(iv)
+            if i.kind is InstrKind.LOAD:
+                wl[i.region.tensor].extend(iv)
+            elif i.region.tensor not in views:
+                must.extend(iv)
+        ld = _merge(ld)
+        view_st = _minus(_merge(st), _merge(must))
+        out[t.id] = (ld, _merge(st), _merge(must + _minus(view_st, ld)), {k: _merge(v) for k, v in wl.items()})
+    return out
+
+
+def _region_bytes(mem: MemoryPlan, name: str, box, mxfp4: bool) -> list:
+    if name not in mem.views:
+        return [(-1, 0)]
+    if mxfp4:       # packed E2M1 pairs [.., K/2] and e8m0 scales [.., K/32] (memory.build_memory_plan)
+        out = []
+        for reg, div in ((name, 2), (name + ".scale", 32)):
+            v = mem.view(reg)
+            b = list(box[:-1]) + [(box[-1][0] // div, -(-box[-1][1] // div))]
+            out += _strided(mem.regions[v.region].offset + v.elem_offset, 1, v.shape, v.strides, b)
+        return out
+    v = mem.view(name)
+    return _strided(mem.regions[v.region].offset + v.elem_offset * itemsize(v.dtype), itemsize(v.dtype),
+                    v.shape, v.strides, box)
+
+
+def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events: int, batch: int,
+                 consts: dict, base: int = 0) -> list[TableViolation]:
+    """Every violation of T1-T6 by the packed table `words` (rows in queue order) with CTA
+    queue `bounds` ([start, end) per CTA)."""
+    out: list[TableViolation] = []
+    s = schedule
+    B = int(s.dims["B"])
+    if batch != B:
+        out.append(TableViolation("T1", None, f"the kernel runs batch {batch}, the schedule batch {B}"))
+    n = len(s.tasks)
+    # -- T1: queues ----------------------------------------------------------------------------
+    rows_of: dict[int, list[int]] = defaultdict(list)
+    cta_of: dict[int, int] = {}
+    for c, (lo, hi) in enumerate(bounds):
+        seq = []
+        for r in range(lo, hi):
+            tid = words[r][Word.TASK_ID]
+            if not 0 <= tid < n:
+                out.append(TableViolation("T1", tid, "row names no task of the schedule", c, r))
+                continue
+            if seq and seq[-1] == tid and rows_of[tid][-1] == r - 1:
+                rows_of[tid].append(r)
+                continue
+            if tid in cta_of:
+                out.append(TableViolation("T1", tid, "the task's rows are not back to back on one CTA", c, r))
+            cta_of[tid] = c
+            seq.append(tid)
+            rows_of[tid].append(r)
+        want = s.queues.get((0, c), [])
+        if seq != list(want):
+            k = next((i for i, (x, y) in enumerate(zip(seq, want)) if x != y), min(len(seq), len(want)))
+            out.append(TableViolation("T1", None, f"CTA {c} runs tasks {seq[k:k + 3]}... from position {k}, the "
+                                                  f"schedule's queue (rank 0, sm {c}) has {list(want[k:k + 3])}...", c))
+    for (rank, sm) in s.queues:
+        if rank == 0 and sm >= len(bounds) and s.queues[(rank, sm)]:
+            out.append(TableViolation("T1", None, f"the schedule's queue (rank 0, sm {sm}) has no CTA"))
+    for t in s.tasks:
+        if t.id not in rows_of:
+            out.append(TableViolation("T1", t.id, "the task has no row in the table"))
+    if out:
+        return out
+    # -- per row: decode -------------------------------------------------------------------------
+    arena = _Arena(mem, s)
+    sched = _task_bytes(s, mem)
+    per_step = {e.id: e.per_step for e in s.events if e.rank == 0}
+    consts_iv = arena.const_ranges()
+    static = _merge([(r.offset, r.offset + r.nbytes) for r in arena.regs if r.kind is Kind.weight])
+    foot, ops = {}, {}
+    for r, w in enumerate(words):
+        try:
+            rd, wr = footprint(w, B, base, arena, consts)
+        except Exception as e:      # words no body could run: rejected, never a crash
+            rd, wr = [[(-1, 0)]], []
+            out.append(TableViolation("T5", w[Word.TASK_ID], f"row cannot be decoded ({type(e).__name__}: {e})",
+                                      None, r))
+        ops[r] = ([(_merge(x), isinstance(x, _Static)) for x in rd], [_merge(x) for x in wr])
+        foot[r] = (_merge([x for o in rd for x in o]), _merge([x for o in wr for x in o]))
+    touched: list[tuple[int, int, int]] = []        # (start, end, task): rows' and lines' bytes
+    for t in s.tasks:
+        ld, st, _, _ = sched[t.id]
+        iv = list(ld) + list(st)
+        for r in rows_of[t.id]:
+            iv += foot[r][0] + foot[r][1]
+        touched += [(a, b, t.id) for a, b in _merge(iv)]
+    touched.sort()
+    starts = [a for a, _, _ in touched]
+    ends_max = []
+    m = -1
+    for _, b, _ in touched:
+        m = max(m, b)
+        ends_max.append(m)
+    written_anywhere = _merge([x for r in foot for x in foot[r][1]])
+    for t in s.tasks:
+        rows = rows_of[t.id]
+        c = cta_of[t.id]
+        ld, st, must, wl = sched[t.id]
+        # -- T2: waits ---------------------------------------------------------------------------
+        want = Counter()
+        for i in t.instrs:
+            if i.kind is InstrKind.WAIT:
+                ps = per_step.get(i.event)
+                want[(i.event, ps, None if ps is None else i.threshold - ps)] += 1
+        got = Counter()
+        last_wait, first_touch = -1, None
+        for k, r in enumerate(rows):
+            w = words[r]
+            if w[Word.WAIT_EVENT] != NO_EVENT:
+                got[(w[Word.WAIT_EVENT], w[Word.WAIT_PER_STEP], w[Word.WAIT_OFFSET])] += 1
+                last_wait = k
+            rd, wr = foot[r]
+            if first_touch is None and (_minus(rd, static) or wr):
+                first_touch = k
+        if got != want:
+            miss, extra = want - got, got - want
+            out.append(TableViolation("T2", t.id, "the rows wait on " + _waits(got) + ", the schedule's task on "
+                                      + _waits(want) + (f" (missing {_waits(miss)})" if miss else "")
+                                      + (f" (extra {_waits(extra)})" if extra else ""), c))
+        elif first_touch is not None and last_wait > first_touch:
+            out.append(TableViolation("T2", t.id, f"row {rows[first_touch]} reads or writes produced data before the "
+                                                  f"wait on row {rows[last_wait]}", c, rows[first_touch]))
+        # -- T3: signals -------------------------------------------------------------------------
+        want_s = Counter(i.event for i in t.instrs if i.kind is InstrKind.SIGNAL)
+        got_s = Counter()
+        first_sig, last_write = None, -1
+        for k, r in enumerate(rows):
+            e = words[r][Word.SIGNAL_EVENT]
+            if e != NO_EVENT:
+                got_s[e] += 1
+                first_sig = k if first_sig is None else first_sig
+            if foot[r][1]:
+                last_write = k
+        if got_s != want_s:
+            out.append(TableViolation("T3", t.id, f"the rows signal {_evs(got_s)}, the schedule's task {_evs(want_s)}", c))
+        elif first_sig is not None and first_sig < last_write:
+            out.append(TableViolation("T3", t.id, f"row {rows[first_sig]} signals e{words[rows[first_sig]][Word.SIGNAL_EVENT]} "
+                                                  f"before row {rows[last_write]} stores", c, rows[first_sig]))
+        # -- T4 / T5: bytes, operand by operand ---------------------------------------------------
+        written, read_all = [], []
+        for r in rows:
+            rd_ops, wr_ops = ops[r]
+            before = _merge(written)
+            for iv, must_static in rd_ops:
+                if not iv:
+                    continue
+                names = arena.names(iv) if iv[0][0] >= 0 else set()
+                bad = _minus(_minus(_minus(iv, ld), before), consts_iv)
+                if len(names) != 1:
+                    out.append(TableViolation("T5", t.id, f"an operand read spans {_regions(arena, iv, names)}: "
+                                                          f"one operand is one tensor", c, r))
+                elif must_static and arena.kind.get(next(iter(names))) is not Kind.weight:
+                    out.append(TableViolation("T5", t.id, f"reads {_where(arena, iv)} as a weight or table, but "
+                                                          f"it is {arena.kind[next(iter(names))].value} data", c, r))
+                elif bad:
+                    out.append(TableViolation("T5", t.id, f"reads {_where(arena, bad)}, which none of the task's "
+                                                          f"LOADs (nor an earlier row of it) covers", c, r))
+                read_all += iv
+            for iv in wr_ops:
+                if not iv:
+                    continue
+                names = arena.names(iv) if iv[0][0] >= 0 else set()
+                private = _minus(iv, st)
+                other = _others(touched, starts, ends_max, private, t.id)
+                if len(names) != 1:
+                    out.append(TableViolation("T4", t.id, f"an operand write spans {_regions(arena, iv, names)}: "
+                                                          f"one operand is one tensor", c, r))
+                elif names & (arena.consts | arena.inputs) or arena.kind.get(next(iter(names))) is Kind.weight:
+                    out.append(TableViolation("T4", t.id, f"writes {_where(arena, iv)}, a weight, constant or "
+                                                          f"step input", c, r))
+                elif other:
+                    tid, x = other
+                    out.append(TableViolation("T4", t.id, f"writes {_where(arena, [x])} outside its STOREs, bytes "
+                                                          f"task {tid} also uses", c, r))
+                written += iv
+        unwritten = _minus(must, _merge(written))
+        if unwritten:
+            out.append(TableViolation("T4", t.id, f"the rows never write {_where(arena, unwritten)} of the task's "
+                                                  f"STOREs", c))
+        # every loaded byte of data that is not a weight is read (an address shifted inside a
+        # loaded tensor leaves some unread), except a view's bytes the task stores as they are.
+        # Weights are left out: the tile pass may load more of a weight than a body reads (a
+        # per-head vector whole, an MLA head's key rows next to the value rows it reads)
+        unread = _minus(_minus(_minus(ld, _merge(read_all)), _minus(st, must)), static)
+        if unread:
+            out.append(TableViolation("T5", t.id, f"the rows never read {_where(arena, unread)} of the task's "
+                                                  f"LOADs", c))
+        # -- T6: prefetch ------------------------------------------------------------------------
+        for r in rows:
+            w = words[r]
+            nb = w[Word.PF_BYTES]
+            if not nb:
+                continue
+            a0 = w[Word.PF_ADDR] - base
+            iv = [(a0, a0 + nb)]
+            reg = arena.region_at(a0)
+            if reg is None or a0 + nb > reg.offset + reg.nbytes or reg.kind is not Kind.weight \
+                    or _overlap(iv, written_anywhere):
+                what = "no region" if reg is None else f"'{reg.name}' ({reg.kind.value})"
+                out.append(TableViolation("T6", t.id, f"prefetches {nb} bytes at arena offset {a0} in {what}: only "
+                                                      f"static weights may be prefetched across a wait", c, r))
+            elif _minus(iv, _merge([x for v in wl.values() for x in v])):
+                out.append(TableViolation("T6", t.id, f"prefetches {_where(arena, iv)}, outside the task's LOADs of "
+                                                      f"'{reg.name}'", c, r))
+    return out
+
+
+def _overlap(a, b) -> bool:
+    return bool(_minus(a, _minus(a, b)))
+
+
+def _others(touched, starts, ends_max, private, tid):
+    """(task, range) of some other task touching a byte of `private`, or None."""
+    for a, b in private:
+        i = bisect.bisect_left(starts, b) - 1
+        while i >= 0 and ends_max[i] > a:
+            s, e, u = touched[i]
+            if u != tid and s < b and a < e:
+                return u, (max(a, s), min(b, e))
+            i -= 1
+    return None
+
+
+def _regions(arena: _Arena, iv, names) -> str:
+    if not names:
+        return f"bytes [{iv[0][0]}, {iv[-1][1]}) outside every region of the arena"
+    return "regions " + ", ".join(f"'{n}'" for n in sorted(names))
+
+
+def _waits(c: Counter) -> str:
+    if not c:
+        return "nothing"
+    return ", ".join(f"e{e} (per_step {p}, offset {o})" + (f" x{k}" if k > 1 else "") for (e, p, o), k in sorted(
+        c.items(), key=lambda x: (x[0][0], str(x[0][1:]))))
+
+
+def _evs(c: Counter) -> str:
+    return ", ".join(f"e{e}" + (f" x{k}" if k > 1 else "") for e, k in sorted(c.items())) or "nothing"
+
+
+def _where(arena: _Arena, iv) -> str:
+    a, b = iv[0]
+    reg = arena.region_at(a) if a >= 0 else None
+    if reg is None:
+        return f"bytes [{a}, {b}) outside every region of the arena"
+    more = f" (+{len(iv) - 1} more ranges)" if len(iv) > 1 else ""
+    return f"'{reg.name}' bytes [{a - reg.offset}, {b - reg.offset}){more}"
+
+
+def check_plan(lowered, plan, base: int = 0) -> None:
+    """Raise TableVerifyError with the first violation of the packed table of `plan` (addresses
+    relative to `base`), lowered from `lowered.schedule`."""
+    words, bounds = plan.table_words()
+    errs = verify_table(lowered.schedule, lowered.memory, words, bounds, plan.num_events, plan.batch,
+                        lowered.consts, base)
+    if errs:
+        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        raise TableVerifyError(f"cute table verifier: {errs[0]}{more}")
