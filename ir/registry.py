@@ -26,9 +26,6 @@ class Trait(enum.Enum):
     # batch row b of every output depends only on row b of the batch-major operands (weights
     # whole): the tile pass may cut such a unit along the batch, one task per token
     tokenwise = "tokenwise"
-    # column c of the output depends only on column c of the (last dim of the) inputs, whatever
-    # their rows (an embedding gathers rows): the tile pass may cut it along columns
-    columnwise = "columnwise"
 
 
 class AttrKind(enum.Enum):

@@ -175,10 +175,7 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
         body = ops[0].opname if len(ops) == 1 else "fused_" + ops[0].opname
         # slices are views: a slice of the tile's box feeds the elementwise op (gate and up
         # halves of a merged projection)
-        # columnwise ops (an embedding's row gather) cut along columns like elementwise ones;
-        # they read only the rows their ids pick, so a table counts as the output's bytes
-        elementwise = all((Trait.elementwise in o.opdef.traits or Trait.columnwise in o.opdef.traits)
-                          and o.opname not in ("reshape", "concat")
+        elementwise = all(Trait.elementwise in o.opdef.traits and o.opname not in ("reshape", "concat")
                           and ctx.shape[o.outputs[0].name] == s for o in ops)
         if s and not elementwise and s[0] == ctx.dims.get("B") and \
                 all(Trait.tokenwise in o.opdef.traits for o in ops):
@@ -187,8 +184,7 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
             return [((b0, b1),) + fb[1:] for b0, b1 in splits(s[0], min(ctx.sms, s[0]))], body
         if not elementwise or not s:
             return [None], body          # one task; every op computes its whole output
-        nb = sum(ctx.nbytes(o.outputs[0], ctx.fb[o.outputs[0].name]) if Trait.columnwise in o.opdef.traits
-                 else sum(ctx.nbytes(v, ctx.fb[v.name]) for v in o.inputs) for o in ops)
+        nb = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs)
         n = min(ctx.sms, s[-1], max(1, math.ceil(nb / MIN_TASK_BYTES), math.ceil(math.prod(s) / EW_TASK_ELEMENTS)))
         return [fb[:-1] + (r,) for r in splits(s[-1], n, 1)], body
     w = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs if ctx.kind[v.name] is Kind.weight)

@@ -41,8 +41,7 @@ def _embedding_cost(ins, outs, at, dims):
 
 register(OpDef("embedding", ("table", "ids"), ("out",), _embedding_infer,
                lambda a, at: [f32(a[0])[a[1].long()]], cost_fn=_embedding_cost,
-               addressed_by={0: 1}, traits=frozenset({Trait.columnwise}),
-               doc="rows of a table selected by token ids"))
+               addressed_by={0: 1}, doc="rows of a table selected by token ids"))
 
 
 # -- linear ----------------------------------------------------------------------------------
