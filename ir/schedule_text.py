@@ -41,7 +41,7 @@ from pathlib import Path
 from lark import Lark, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
-from .parser import FirSyntaxError, parse_fir
+from .parser import _NAME, _VAR, FirSyntaxError, parse_fir   # one spelling of names and %values for both readers
 from .printer import print_graph
 from .schedule import Event, Instr, InstrKind, Region, Schedule, Scope, Sem, Task
 from .types import DType, Kind, TensorType
@@ -289,8 +289,6 @@ class _GiveUp(Exception):
 
 
 _WS = " \t\f\r\n"          # lark's common.WS
-_NAME = r"[A-Za-z_][A-Za-z0-9_.]*"
-_VAR = r"%[A-Za-z0-9_.]+"
 _STR = r'"(?:[^"\\\n]|\\.)*"'
 _NUM = r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?"
 _BOX = r"(?:\d+:\d+(?:, \d+:\d+)*)?"
