@@ -19,7 +19,7 @@ for stage in "$@"; do
   case $stage in
     speed) FUSEC_PROFILE_DIR=$OUT timeout 420 python3 benchmarks/cute_speed.py --config ${SPEED_CONFIG:-slice4} \
              --batches ${SPEED_BATCHES:-1,4,16} --reps 20 --prefetch-kb ${SPEED_PF:-0,64} \
-             --gemv-variants=${SPEED_GEMV:-} 2>&1 | grep -v Warn | tee "$OUT/speed.log" | tail -30 ;;
+             --gemv-variants=${SPEED_GEMV:-} --plan-variants="${SPEED_PLAN:-}" 2>&1 | grep -v Warn | tee "$OUT/speed.log" | tail -30 ;;
     model-k3) timeout 540 python3 benchmarks/cute_model.py --cases kimi_k3:slice4,kimi_k3:slice4-e128 \
                 --batches 1,4,16 --delay-cases none 2>&1 | grep -v Warning > "$OUT/model_k3.log"; tail -14 "$OUT/model_k3.log" ;;
     model-small) timeout 400 python3 benchmarks/cute_model.py --cases kimi_k3:tiny,llama:tiny,llama:llama-3.2-1b \
@@ -32,10 +32,12 @@ for stage in "$@"; do
                | grep -v -i warn; done | tee "$OUT/reference_compile.log" ;;
     ratio) timeout 580 python3 benchmarks/speed.py --config ${SPEED_CONFIG:-slice4-e128} --batches ${SPEED_BATCHES:-1,4,16} \
              --rounds ${SPEED_ROUNDS:-5} --json "$OUT/speed.json" 2>&1 | grep -v Warn | tee "$OUT/ratio.log" | tail -24 ;;
+    gemv-tests) timeout 300 python3 -m pytest -q -rP -m gpu tests/gpu/test_cute_gemv.py -p no:warnings > "$OUT/pytest_gemv.log" 2>&1
+                grep -E "passed|failed|error|Error" "$OUT/pytest_gemv.log" | tail -20 ;;
     bodies) timeout 300 python3 -m pytest -q -rP -m gpu tests/gpu/test_cute_bodies.py -p no:warnings > "$OUT/pytest_bodies.log" 2>&1
             grep -E "passed|failed|error|Error" "$OUT/pytest_bodies.log" | tail -20 ;;
     model) timeout 540 python3 benchmarks/cute_model.py --cases ${MODEL_CASES:-kimi_k3:tiny} --batches ${MODEL_BATCHES:-1,4,16} \
              --delay-cases ${MODEL_DELAY:-none} 2>&1 | grep -v Warning > "$OUT/model.log"; tail -14 "$OUT/model.log" ;;
-    *) echo "unknown stage $stage (gemv, speed, model-k3, model-small, tests, compile)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, speed, ratio, bodies, model, model-k3, model-small, tests, compile)"; exit 2 ;;
   esac
 done

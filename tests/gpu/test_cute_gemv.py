@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 from _needs_cute import torch  # noqa: E402  (skips this module without CUDA or the CuTe DSL)
 
 from fusec.testing import cute_workloads as wl  # noqa: E402
-from fusec.backends.cute.plan import KernelPlan, Opcode, round_robin_queues  # noqa: E402
+from fusec.backends.cute.plan import F32Flag, KernelPlan, Opcode, round_robin_queues  # noqa: E402
 from fusec.backends.cute.runtime import Megakernel, MegakernelTimeout  # noqa: E402
 
 BF = torch.bfloat16
@@ -81,3 +81,32 @@ def test_graph_replay_advances_steps():
     assert rt.step_buf.item() == 3 and rt.events.item() == 12
     assert wl.rel_err(y, x.float() @ w.float().T) < 2e-2
     assert dataclasses.replace(plan).num_ctas == 4
+
+
+
+@pytest.mark.parametrize("batch", [2, 9, 16])
+def test_gemv_mma_shapes(batch):
+    """The tensor-core GEMV_BF16 body on awkward shapes: long K split inside the CTA (7168), K of
+    three 32-column chunks (96), row counts that leave partial tiles, one empty task; bf16 and
+    fp32 outputs."""
+    cases = [(200, 7168, 3), (37, 96, 2), (129, 1280, 5)]
+    ws = [_rand(n, k, scale=0.05) for n, k, _ in cases]
+    xs = [_rand(batch, k) for _, k, _ in cases]
+    ys = [torch.empty(batch, n, device="cuda", dtype=dt) for (n, _, _), dt in zip(cases, (BF, torch.float32, BF))]
+    tasks, tid = [], 0
+    for (n, k, tiles), w, x, y in zip(cases, ws, xs, ys):
+        rows = wl.gemv_tasks(w, x, y, tiles, tid)
+        if y.dtype == torch.float32:
+            rows = [dataclasses.replace(r, p1=int(F32Flag.OUT)) for r in rows]
+        tasks += rows
+        tid += tiles
+    tasks.append(dataclasses.replace(tasks[0], task_id=tid, n0=5, n1=5))   # empty: stores nothing
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 6), num_events=1,
+                      batch=batch, gemv="mma", name=f"t_mma_b{batch}")
+    rt = Megakernel(plan)
+    for y in ys:
+        y.fill_(float("nan"))
+    rt.step()
+    rt.check()
+    for w, x, y in zip(ws, xs, ys):
+        assert wl.rel_err(y, x.float() @ w.float().T) < 2e-2, (y.shape, y.dtype)
