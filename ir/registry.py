@@ -1,9 +1,12 @@
 """The op registry: the one place an op is defined.
 
 An `OpDef` holds the op's signature (operand, result and attribute names), its shape/dtype
-rule, its torch reference implementation, its cost (bytes read and written, flops) and its
-traits. The printer and parser take operand and attribute names from here, the verifier calls
-`infer`, the reference executor calls `ref`, the cost model calls `cost`, fusion reads `traits`.
+rule, its torch reference implementation, its cost (bytes read and written, flops), its traits
+and how the tile pass lowers it (`tiling`, `tile_step`, `tile_epilogue`). The printer and parser
+take operand and attribute names from here, the verifier calls `infer`, the reference executor
+calls `ref`, the cost model calls `cost`, fusion, sharding, tiling and the backends read the
+traits and lowering fields. What an op is lives here only: the passes test a trait or a field,
+never a list of op names, so adding an op is one `register(OpDef(...))`.
 """
 from __future__ import annotations
 
@@ -15,17 +18,36 @@ from .types import DType, Kind, TensorType
 
 
 class Trait(enum.Enum):
+    """What the passes may assume about an op; they read these, never lists of op names."""
     elementwise = "elementwise"      # out[i] depends on in[i] only
-    rowwise = "rowwise"              # reduces over the last dim of one row (norms)
+    rowwise = "rowwise"              # reduces over the last dim of one row (norms); with headwise, of one head
     gemv = "gemv"                    # streams a weight matrix: the decode hot spot
-    prologue = "prologue"            # may be folded into the next gemv's prologue
-    epilogue = "epilogue"            # may be folded into the producing gemv's epilogue
+    # a gemv over the experts the router chose: weights [E, ...] read through the ids operand
+    expert = "expert"
+    # computes each head (attr `head_dim` columns of the last dim) on its own: a tile of its
+    # output holds whole heads
+    headwise = "headwise"
+    # its 1-D operands are not one value per output column (a weight per position in a head,
+    # RoPE's positions): a column tile reads them whole, not its own columns
+    whole_vectors = "whole_vectors"
     collective = "collective"        # moves data between ranks
     stateful = "stateful"            # updates a state parameter in place
     attention = "attention"          # reads a cache over the sequence
     # batch row b of every output depends only on row b of the batch-major operands (weights
     # whole): the tile pass may cut such a unit along the batch, one task per token
     tokenwise = "tokenwise"
+    # its result may be a view of its operand in memory (no data moves): the backends give it
+    # no task body of its own
+    view = "view"
+
+
+class Tiling(enum.Enum):
+    """How the tile pass cuts an op's output when the op anchors a task family (`OpDef.tiling`;
+    None: the op never anchors one, it joins an anchor's tile or runs alone)."""
+    columns = "columns"   # ranges of the last dim (GEMV output rows; per-head outputs on `tile_step`)
+    heads = "heads"       # ranges of dim 1, the heads of a [B, H, ...] output
+    experts = "experts"   # ranges of the rows of every routed expert, each task all (token, slot) pairs
+    chunks = "chunks"     # one task per (chunk of cache rows, batch row): split-sequence partials
 
 
 class AttrKind(enum.Enum):
@@ -70,8 +92,15 @@ class OpDef:
     # operand index -> operand index whose run-time value selects what is loaded (V3): e.g. the
     # expert weights of a MoE op are addressed through the router's ids.
     addressed_by: Mapping[int, int] = field(default_factory=dict)
-    # operand indices read only in part at batch 1, as a fraction given by attrs (experts: k/E)
+    # cost_fn(in_types, out_types, attrs, dims) -> Cost; None: `default_cost` (every byte once)
     cost_fn: Callable | None = None
+    # lowering (the tile pass): how the op's output is cut when it anchors a task family; for
+    # `Tiling.columns`, `tile_step(attrs)` is the column step every cut falls on (whole heads)
+    tiling: Tiling | None = None
+    tile_step: Callable[[Mapping], int] | None = None
+    # False: never joins an anchor's tile as an epilogue (a reduction over the tiled axis or a
+    # change of shape); the tile pass starts a new task family at it
+    tile_epilogue: bool = True
     doc: str = ""
 
     @property

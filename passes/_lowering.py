@@ -14,12 +14,12 @@ import heapq
 import math
 
 from fusec.ir.graph import Graph, Op, Value
-from fusec.ir.registry import Trait
+from fusec.ir.registry import REGISTRY, Tiling, Trait
 from fusec.ir.schedule import Instr, InstrKind, Region, Task
 from fusec.ir.types import Kind, TensorType
 
 from ._collectives import emit_collective
-from ._regions import EXPERT_OPS, HEADWISE, box_hull, full_box, input_boxes, out_boxes
+from ._regions import box_hull, full_box, input_boxes, out_boxes
 from ._units import MIN_TASK_BYTES, Unit
 from .cost import task_time_us
 from .target import gpu_spec
@@ -31,9 +31,8 @@ COMPUTE = Instr(InstrKind.COMPUTE)
 EW_TASK_ELEMENTS = 2048
 ALIGN = 8                       # GEMV tile rows are a multiple of this (16-byte bf16 vectors)
 
-GEMV_OPS = {"linear", "mla_q_absorb", "mla_v_up"}
-HEAD_OPS = {"mla_attention_naive", "mla_attention", "attention", "kda_recurrent"}
-COLLECTIVES = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all_dispatch", "all_to_all_combine"}
+# The collective ops, read off the registry (passes/_derive.py checks task families by it).
+COLLECTIVES = frozenset(n for n, d in REGISTRY.items() if Trait.collective in d.traits)
 
 
 def splits(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -83,22 +82,9 @@ class _Ctx:
 
 
 # -- region rules ----------------------------------------------------------------------------
-def _anchor_kind(op: Op) -> str | None:
-    if op.opname == "mla_attention_partial":
-        return "chunks"
-    if op.opname == "attention_combine":
-        return "heads"
-    if op.opname in GEMV_OPS:
-        return "gemv"
-    if op.opname in EXPERT_OPS:
-        return "experts"
-    if op.opname in HEAD_OPS:
-        return "heads"
-    return None
-
-
-NOT_EPILOGUE = {"reshape", "concat", "router", "argmax", "moe_combine", "rms_norm", "attn_res",
-                "embedding", "cache_append"}
+def _anchor_kind(op: Op) -> Tiling | None:
+    """How `op` cuts its output when it anchors a task family; None: it never anchors one."""
+    return op.opdef.tiling
 
 
 def _driver(op: Op, inside: set[str]) -> Value | None:
@@ -108,9 +94,9 @@ def _driver(op: Op, inside: set[str]) -> Value | None:
 
 def _epilogue_ok(ctx: _Ctx, op: Op, anchor: Op, inside: set[str]) -> str | None:
     """None when `op` maps the tile (as an epilogue of `anchor`), else the reason it does not."""
-    if op.opname in COLLECTIVES:
+    if Trait.collective in op.opdef.traits:
         return "a collective"
-    if op.opname in NOT_EPILOGUE:
+    if not op.opdef.tile_epilogue:
         return "a reduction over the tiled axis or a shape change"
     if op.opname == "linear":   # a sibling GEMV (gate and up reading the same x): same rows
         return None if (anchor.opname == "linear" and op.inputs[0] is anchor.inputs[0] and
@@ -123,19 +109,20 @@ def _epilogue_ok(ctx: _Ctx, op: Op, anchor: Op, inside: set[str]) -> str | None:
         return None if op.attrs["dim"] in (-1, len(ctx.shape[d.name]) - 1) else "a slice across rows"
     if ctx.shape[op.outputs[0].name] != ctx.shape[d.name]:
         return "changes the tile's shape"
-    if Trait.elementwise in op.opdef.traits or op.opname in HEADWISE or op.opname in ("kda_gate",):
+    if Trait.elementwise in op.opdef.traits or Trait.headwise in op.opdef.traits:
         return None
     return f"{op.opname} is not elementwise"
 
 
 def _cut_rules(ctx: _Ctx, anchor: Op, epi: list[Op]) -> list[tuple[int, int, int]]:
     """(start, end, step): a tile boundary inside [start, end) of the anchor's last dim must be
-    start + k * step (whole heads for per-head epilogues, reached through slices)."""
+    start + k * step (the anchor's own step, e.g. whole heads; whole heads for head-wise
+    epilogues, reached through slices)."""
     off = {anchor.outputs[0].name: 0}
     w = ctx.shape[anchor.outputs[0].name][-1]
     rules = [(0, w, ALIGN)] if w % ALIGN == 0 else []
-    if anchor.opname in ("kda_recurrent", "attention"):
-        rules.append((0, w, anchor.attrs["head_dim"]))
+    if anchor.opdef.tile_step is not None:
+        rules.append((0, w, anchor.opdef.tile_step(anchor.attrs)))
     for o in epi:
         d = _driver(o, set(off))
         if d is None:
@@ -143,7 +130,7 @@ def _cut_rules(ctx: _Ctx, anchor: Op, epi: list[Op]) -> list[tuple[int, int, int
         base = off[d.name] + (o.attrs["start"] if o.opname == "slice" else 0)
         for v in o.outputs[:1]:
             off[v.name] = base
-        hd = o.attrs.get("head_dim") if (o.opname in HEADWISE or o.opname == "kda_gate") else None
+        hd = o.attrs.get("head_dim") if Trait.headwise in o.opdef.traits else None
         if hd:
             rules.append((base, base + ctx.shape[o.outputs[0].name][-1], hd))
     return rules
@@ -175,8 +162,8 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
         body = ops[0].opname if len(ops) == 1 else "fused_" + ops[0].opname
         # slices are views: a slice of the tile's box feeds the elementwise op (gate and up
         # halves of a merged projection)
-        elementwise = all(Trait.elementwise in o.opdef.traits and o.opname not in ("reshape", "concat")
-                          and ctx.shape[o.outputs[0].name] == s for o in ops)
+        elementwise = all(Trait.elementwise in o.opdef.traits and ctx.shape[o.outputs[0].name] == s
+                          for o in ops)
         if s and not elementwise and s[0] == ctx.dims.get("B") and \
                 all(Trait.tokenwise in o.opdef.traits for o in ops):
             # per-token work (AttnRes + norm, router, argmax): one task per batch row, so a
@@ -188,7 +175,8 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
         n = min(ctx.sms, s[-1], max(1, math.ceil(nb / MIN_TASK_BYTES), math.ceil(math.prod(s) / EW_TASK_ELEMENTS)))
         return [fb[:-1] + (r,) for r in splits(s[-1], n, 1)], body
     w = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs if ctx.kind[v.name] is Kind.weight)
-    if anchor.opname in EXPERT_OPS:
+    tiling = anchor.opdef.tiling
+    if tiling is Tiling.experts:
         # Every task takes all (token, slot) pairs for a slice of the output rows: the experts
         # are only known after routing, so a slice of every routed expert's rows on every SM is
         # what keeps all SMs streaming (and lets a task read each distinct expert's rows once).
@@ -196,9 +184,9 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
         frac = min(1.0, b * k / ctx.shape[anchor.inputs[2].name][0])
         n = max(1, min(ctx.sms, math.ceil(w * frac / MIN_TASK_BYTES)))
         return [((0, b), (0, k), r) for r in splits(s[2], n, ALIGN)], anchor.opname
-    if anchor.opname == "mla_attention_partial":     # one task per (cache chunk, batch row)
+    if tiling is Tiling.chunks:                      # one task per (cache chunk, batch row)
         return [((c, c + 1), (b, b + 1)) + fb[2:] for c in range(s[0]) for b in range(s[1])], anchor.opname
-    if anchor.opname in ("mla_q_absorb", "mla_attention", "attention_combine"):
+    if tiling is Tiling.heads:
         heads = s[1]
         if anchor.opname == "mla_attention":         # every head reads the whole cache
             w = ctx.nbytes(anchor.inputs[2], ctx.fb[anchor.inputs[2].name])
@@ -206,12 +194,8 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
             w = ctx.nbytes(anchor.inputs[0], ctx.fb[anchor.inputs[0].name])
         n = min(heads, ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
         return [(fb[0], r, fb[2]) for r in splits(heads, n)], anchor.opname
-    rules = _cut_rules(ctx, anchor, epi)
-    if anchor.opname in ("mla_attention_naive", "mla_v_up"):
-        rules.append((0, s[-1], anchor.attrs["v_dim"]))
-    elif anchor.opname == "attention":
-        rules.append((0, s[-1], anchor.attrs["head_dim"] * anchor.attrs["heads"] // anchor.attrs["kv_heads"]))
-    elif anchor.opname == "kda_recurrent":
+    rules = _cut_rules(ctx, anchor, epi)            # Tiling.columns: ranges of the last dim
+    if anchor.opname == "kda_recurrent":
         w += ctx.nbytes(anchor.inputs[5], ctx.fb[anchor.inputs[5].name])
     n = min(ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
     if anchor.opname == "kda_recurrent":   # latency-bound per head: one head per task when SMs allow
@@ -224,7 +208,7 @@ def _partition(ctx: _Ctx, ops: list[Op]) -> list[tuple[list[Op], list[Op], Op | 
     """Split one group into units: (recomputed prologue, [anchor], anchor, epilogue) lists."""
     members = {id(o) for o in ops}
     anchors = [o for o in ops if _anchor_kind(o)]
-    if any(o.opname in COLLECTIVES for o in ops) and len(ops) > 1:
+    if any(Trait.collective in o.opdef.traits for o in ops) and len(ops) > 1:
         ctx.log(f"group {ops[0].group}: collective split out of its group")
         res = []
         for o in ops:
@@ -416,7 +400,7 @@ def build_units(g: Graph, dims, opts, logf):
     for ops in groups:
         for k, (pro, core, anchor, epi) in enumerate(_partition(ctx, ops)):
             base = (ops[0].group or ops[0].outputs[0].name) + (f"#{k}" if k else "")
-            if len(core) == 1 and core[0].opname in COLLECTIVES and not pro and not epi:
+            if len(core) == 1 and Trait.collective in core[0].opdef.traits and not pro and not epi:
                 units.extend(emit_collective(ctx, base, core[0]))
             else:
                 units.append(_emit_unit(ctx, base, pro, core, anchor, epi))

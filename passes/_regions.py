@@ -9,10 +9,6 @@ from fusec.ir.registry import Trait
 from fusec.ir.types import Kind
 from fusec.ir.ops.mixers import chunk_rows
 
-EXPERT_OPS = {"moe_gate_up", "moe_down"}
-# elementwise-on-the-tile ops usable as epilogues; head-wise ones need head-aligned tiles
-HEADWISE = {"gated_rms_norm", "l2_norm", "rope"}   # rope rotates pairs within a head
-
 
 def full_box(shape) -> tuple[tuple[int, int], ...]:
     return tuple((0, int(d)) for d in shape)
@@ -43,11 +39,11 @@ def input_boxes(ctx, op: Op, obox, anchor: bool):
         vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
         h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
         return [(full[0][0], (h0, h1), full[0][2]), ((h0 * per, h1 * per), full[1][1])]
-    if name in EXPERT_OPS:                          # obox [b, k, rows]; weights of every expert
+    if Trait.expert in op.opdef.traits:             # obox [b, k, rows]; weights of every expert
         b, k, rows = obox
-        w = [(full[i][0], rows, full[i][2]) if name == "moe_gate_up" else (full[i][0], rows, full[i][2])
-             for i in range(2, len(sh))]
-        x = (b, full[0][1]) if name == "moe_gate_up" else (b, k, full[0][2])
+        w = [(full[i][0], rows, full[i][2]) for i in range(2, len(sh))]
+        # the input: tokens x [B, D] (gate/up), or one row per (token, slot) h [B, K, I] (down)
+        x = (b, full[0][1]) if len(sh[0]) == 2 else (b, k, full[0][2])
         return [x, (b, full[1][1])] + w
     if name == "mla_attention_naive":               # obox [B, h*vd]
         vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
@@ -92,7 +88,7 @@ def input_boxes(ctx, op: Op, obox, anchor: bool):
     for s, f in zip(sh, full):
         if tuple(s) == tuple(out):
             res.append(obox)
-        elif len(s) == 1 and len(out) >= 1 and s[0] == out[-1] and name not in HEADWISE:
+        elif len(s) == 1 and len(out) >= 1 and s[0] == out[-1] and Trait.whole_vectors not in op.opdef.traits:
             res.append((obox[-1],))
         else:
             res.append(f)

@@ -12,6 +12,7 @@ import fnmatch
 import math
 
 from fusec.ir.graph import Graph, Op
+from fusec.ir.registry import Trait
 
 COL, ROW, REP, VOCAB = "col", "row", "rep", "vocab"
 LINEAR_PLAN: list[tuple[str, str]] = [
@@ -24,7 +25,6 @@ LINEAR_PLAN: list[tuple[str, str]] = [
     ("*.o_proj.weight", ROW), ("*.down_proj.weight", ROW),
     ("lm_head.weight", VOCAB),    # column-parallel over the largest divisor of R dividing the vocab
 ]
-MOE_OPS = ("moe_gate_up", "moe_down")
 
 
 class ShardError(ValueError):
@@ -51,7 +51,7 @@ def plan_degrees(g: Graph, R: int, below: int = 0) -> tuple[int, int]:
         for attr in ("heads", "kv_heads"):
             if isinstance(op.attrs.get(attr), int):
                 dims.append(op.attrs[attr])
-        if op.opname in MOE_OPS:
+        if Trait.expert in op.opdef.traits:
             experts.append(op.inputs[-1].type.shape[0])
         if op.opname == "linear":
             sources = g.param_attrs.get(op.inputs[1].name, {}).get("sources")

@@ -44,35 +44,34 @@ _ANCHOR_ORDER = (Trait.gemv, Trait.attention)
 _ELEMENTWISE = "elementwise"
 _PER_HEAD = "per_head"
 _WHOLE_ROW = "whole_row"
-_NEVER_EPILOGUE = {"argmax", "concat", "cache_append", "embedding", "reshape"}
 
 
 def group_anchor(ops: list[Op]) -> Op:
-    """The op that decides a group's tiling: its first GEMV, else attention, else KDA recurrence,
-    else its first op (an AttnRes mix)."""
+    """The op that decides a group's tiling: its first GEMV, else attention, else another op
+    the tile pass tiles on its own (the KDA recurrence), else its first op (an AttnRes mix)."""
     for trait in _ANCHOR_ORDER:
         for op in ops:
             if trait in op.opdef.traits:
                 return op
     for op in ops:
-        if op.opname == "kda_recurrent":
+        if op.opdef.tiling is not None:
             return op
     return ops[0]
 
 
 def _is_anchor(op: Op) -> bool:
-    t = op.opdef.traits
-    return Trait.gemv in t or Trait.attention in t or op.opname in ("kda_recurrent", "attn_res")
+    return op.opdef.tiling is not None or op.opname == "attn_res"
 
 
 def _epilogue_kind(op: Op) -> str | None:
-    if op.opname in _NEVER_EPILOGUE or _is_anchor(op) or Trait.collective in op.opdef.traits:
+    t = op.opdef.traits
+    if _is_anchor(op) or Trait.collective in t:
         return None
-    if op.opname in ("l2_norm", "gated_rms_norm"):
-        return _PER_HEAD
+    if Trait.rowwise in t:      # a reduction along the row maps a column tile only within a head
+        return _PER_HEAD if Trait.headwise in t else None
     if op.opname == "router":
         return _WHOLE_ROW
-    if Trait.elementwise in op.opdef.traits:
+    if Trait.elementwise in t:
         return _ELEMENTWISE
     return None
 

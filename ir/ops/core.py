@@ -3,7 +3,7 @@ shape plumbing and greedy sampling."""
 from __future__ import annotations
 
 from .._lazy import LazyModule
-from ..registry import Attr, AttrKind, Cost, OpDef, Trait, act, register, default_cost
+from ..registry import Attr, AttrKind, Cost, OpDef, Tiling, Trait, act, register, default_cost
 from ..types import DType
 from ._util import dtype_attr, f32, need, need_dim, need_dtype, need_rank
 
@@ -41,7 +41,7 @@ def _embedding_cost(ins, outs, at, dims):
 
 register(OpDef("embedding", ("table", "ids"), ("out",), _embedding_infer,
                lambda a, at: [f32(a[0])[a[1].long()]], cost_fn=_embedding_cost,
-               addressed_by={0: 1}, doc="rows of a table selected by token ids"))
+               addressed_by={0: 1}, tile_epilogue=False, doc="rows of a table selected by token ids"))
 
 
 # -- linear ----------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def _linear_cost(ins, outs, at, dims):
 register(OpDef("linear", ("x", "w"), ("y",), _linear_infer,
                lambda a, at: [f32(a[0]) @ f32(a[1]).T],
                attrs={"out_dtype": Attr(A.str, "bf16")}, traits=frozenset({Trait.gemv}),
-               cost_fn=_linear_cost, doc="y = x @ w^T, w [N, K] in bf16 or mxfp4; fp32 accumulate"))
+               tiling=Tiling.columns, cost_fn=_linear_cost, doc="y = x @ w^T, w [N, K] in bf16 or mxfp4; fp32 accumulate"))
 
 
 # -- norms -----------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def _rms_infer(ts, at):
 register(OpDef("rms_norm", ("x", "w"), ("y",), _rms_infer,
                lambda a, at: [rms_norm_math(a[0], a[1], at["eps"])],
                attrs={"eps": Attr(A.float, 1e-5), "out_dtype": Attr(A.str, "")},
-               traits=frozenset({Trait.rowwise, Trait.prologue, Trait.tokenwise})))
+               traits=frozenset({Trait.rowwise, Trait.tokenwise}), tile_epilogue=False))
 
 
 def _grms_infer(ts, at):
@@ -100,7 +100,7 @@ def _grms_ref(a, at):
 
 register(OpDef("gated_rms_norm", ("x", "gate", "w"), ("y",), _grms_infer, _grms_ref,
                attrs={"head_dim": Attr(A.int), "eps": Attr(A.float, 1e-5)},
-               traits=frozenset({Trait.rowwise, Trait.epilogue}),
+               traits=frozenset({Trait.rowwise, Trait.headwise, Trait.whole_vectors}),
                doc="per-head RMSNorm(head_dim) * w * sigmoid(gate) (KDA output norm)"))
 
 
@@ -119,7 +119,7 @@ def _l2_ref(a, at):
 
 register(OpDef("l2_norm", ("x",), ("y",), _l2_infer, _l2_ref,
                attrs={"head_dim": Attr(A.int), "scale": Attr(A.float, 1.0), "eps": Attr(A.float, 1e-6)},
-               traits=frozenset({Trait.rowwise, Trait.epilogue})))
+               traits=frozenset({Trait.rowwise, Trait.headwise})))
 
 
 # -- elementwise -----------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def _unary_infer(name):
     return infer
 
 
-EW = frozenset({Trait.elementwise, Trait.epilogue})
+EW = frozenset({Trait.elementwise})
 register(OpDef("add", ("a", "b"), ("y",), _binary_infer("add"), lambda a, at: [f32(a[0]) + f32(a[1])],
                attrs={"out_dtype": Attr(A.str, "")}, traits=EW, doc="residual add"))
 register(OpDef("mul", ("a", "b"), ("y",), _binary_infer("mul"), lambda a, at: [f32(a[0]) * f32(a[1])],
@@ -184,7 +184,7 @@ def _reshape_ref(a, at):
 
 
 register(OpDef("reshape", ("x",), ("y",), _reshape_infer, _reshape_ref, attrs={"shape": Attr(A.dims)},
-               traits=frozenset({Trait.elementwise})))
+               traits=frozenset({Trait.view}), tile_epilogue=False))
 
 
 def _slice_infer(ts, at):
@@ -201,7 +201,7 @@ def _slice_infer(ts, at):
 register(OpDef("slice", ("x",), ("y",), _slice_infer,
                lambda a, at: [a[0].narrow(at["dim"], at["start"], at["end"] - at["start"])],
                attrs={"dim": Attr(A.int), "start": Attr(A.int), "end": Attr(A.int)},
-               traits=frozenset({Trait.elementwise})))
+               traits=frozenset({Trait.elementwise, Trait.view})))
 
 
 def _concat_infer(ts, at):
@@ -220,7 +220,7 @@ def _concat_infer(ts, at):
 
 register(OpDef("concat", ("*parts",), ("y",), _concat_infer,
                lambda a, at: [torch.cat([f32(t) for t in a], at["dim"])], attrs={"dim": Attr(A.int, -1)},
-               traits=frozenset({Trait.elementwise})))
+               tile_epilogue=False))
 
 
 # -- AttnRes (Block Attention Residuals) -----------------------------------------------------
@@ -244,7 +244,7 @@ def _attn_res_ref(a, at):
 
 
 register(OpDef("attn_res", ("norm_w", "proj_w", "*sources"), ("h",), _attn_res_infer, _attn_res_ref,
-               attrs={"eps": Attr(A.float, 1e-5)}, traits=frozenset({Trait.prologue, Trait.tokenwise}),
+               attrs={"eps": Attr(A.float, 1e-5)}, traits=frozenset({Trait.tokenwise}), tile_epilogue=False,
                doc="Block Attention Residual mix: softmax over sources of rms(V_j).(norm_w*proj_w), "
                    "sum of P_j V_j; the last source is the running partial"))
 
@@ -256,4 +256,4 @@ def _argmax_infer(ts, at):
 
 register(OpDef("argmax", ("x",), ("idx",), _argmax_infer,
                lambda a, at: [f32(a[0]).argmax(-1).to(torch.int32)], traits=frozenset({Trait.tokenwise}),
-               doc="greedy next token"))
+               tile_epilogue=False, doc="greedy next token"))

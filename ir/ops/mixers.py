@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .._lazy import LazyModule
-from ..registry import Attr, AttrKind, Cost, OpDef, Trait, act, register
+from ..registry import Attr, AttrKind, Cost, OpDef, Tiling, Trait, act, register
 from ..types import DType, Kind, TensorType
 from ._util import f32, need, need_dim, need_dtype, need_rank
 
@@ -74,7 +74,7 @@ def _kda_gate_ref(a, at):
 
 register(OpDef("kda_gate", ("f", "a_log", "dt_bias"), ("g",), _kda_gate_infer, _kda_gate_ref,
                attrs={"heads": Attr(A.int), "head_dim": Attr(A.int), "a_log_broadcast": Attr(A.str, "head")},
-               traits=frozenset({Trait.elementwise, Trait.epilogue}),
+               traits=frozenset({Trait.elementwise, Trait.headwise}),
                doc="log-space decay g = -5 sigmoid(exp(A_log) (f + dt_bias)), in [-5, 0]"))
 
 
@@ -110,6 +110,7 @@ def _kda_rec_cost(ins, outs, at, dims):
 register(OpDef("kda_recurrent", ("q", "k", "v", "g", "beta", "state"), ("o", "new_state"),
                _kda_rec_infer, _kda_rec_ref, attrs={"heads": Attr(A.int), "head_dim": Attr(A.int)},
                traits=frozenset({Trait.stateful}), aliases={1: 5}, cost_fn=_kda_rec_cost,
+               tiling=Tiling.columns, tile_step=lambda at: at["head_dim"],
                doc="gated delta rule: S <- diag(exp g) S; u = v - k^T S; S += beta k u^T; o = q^T S"))
 
 
@@ -135,7 +136,7 @@ def _append_cost(ins, outs, at, dims):
 
 register(OpDef("cache_append", ("cache", "row", "pos"), ("new_cache",), _append_infer, _append_ref,
                traits=frozenset({Trait.stateful}), aliases={0: 0}, addressed_by={0: 2},
-               cost_fn=_append_cost, doc="cache[b, pos[b]] = row[b]"))
+               tile_epilogue=False, cost_fn=_append_cost, doc="cache[b, pos[b]] = row[b]"))
 
 
 def _masked_softmax(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -200,7 +201,7 @@ def _mla_naive_ref(a, at):
 
 register(OpDef("mla_attention_naive", ("q_nope", "q_pe", "cache", "kv_b", "pos"), ("o",),
                _mla_naive_infer, _mla_naive_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float)},
-               traits=frozenset({Trait.attention}),
+               traits=frozenset({Trait.attention}), tiling=Tiling.columns, tile_step=lambda at: at["v_dim"],
                cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (2,)),
                doc="MLA over the latent cache, keys and values decompressed with kv_b (unabsorbed)"))
 
@@ -219,7 +220,7 @@ def _q_absorb_ref(a, at):
 
 
 register(OpDef("mla_q_absorb", ("q_nope", "kv_b"), ("q_lat",), _q_absorb_infer, _q_absorb_ref,
-               attrs=MLA_ATTRS, traits=frozenset({Trait.gemv}),
+               attrs=MLA_ATTRS, traits=frozenset({Trait.gemv}), tiling=Tiling.heads,
                doc="per head q_lat = q_nope W_UK (W_UK = the key rows of kv_b)"))
 
 
@@ -245,7 +246,7 @@ def _mla_attn_ref(a, at):
 
 register(OpDef("mla_attention", ("q_lat", "q_pe", "cache", "pos"), ("o_lat",), _mla_attn_infer,
                _mla_attn_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float)},
-               traits=frozenset({Trait.attention}),
+               traits=frozenset({Trait.attention}), tiling=Tiling.heads,
                cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (2,)),
                doc="absorbed MLA: softmax([q_lat, q_pe] . cache * scale) over rows 0..pos; P cache[:, :kv_lora]"))
 
@@ -264,7 +265,8 @@ def _v_up_ref(a, at):
 
 
 register(OpDef("mla_v_up", ("o_lat", "kv_b"), ("o",), _v_up_infer, _v_up_ref, attrs=MLA_ATTRS,
-               traits=frozenset({Trait.gemv}), doc="per head o = o_lat W_UV^T (W_UV = the value rows of kv_b)"))
+               traits=frozenset({Trait.gemv}), tiling=Tiling.columns, tile_step=lambda at: at["v_dim"],
+               doc="per head o = o_lat W_UV^T (W_UV = the value rows of kv_b)"))
 
 
 # -- Llama: RoPE and GQA attention ----------------------------------------------------------
@@ -306,7 +308,8 @@ register(OpDef("rope", ("x", "pos"), ("y",), _rope_infer, _rope_ref,
                attrs={"head_dim": Attr(A.int), "theta": Attr(A.float, 10000.0),
                       "scaling_factor": Attr(A.float, 1.0), "low_freq_factor": Attr(A.float, 1.0),
                       "high_freq_factor": Attr(A.float, 4.0), "original_max_pos": Attr(A.int, 8192)},
-               traits=frozenset({Trait.elementwise, Trait.epilogue}), doc="rotary embedding, rotate_half layout"))
+               traits=frozenset({Trait.elementwise, Trait.headwise, Trait.whole_vectors}),
+               doc="rotary embedding, rotate_half layout"))
 
 
 def _gqa_infer(ts, at):
@@ -333,7 +336,9 @@ def _gqa_ref(a, at):
 register(OpDef("attention", ("q", "k_cache", "v_cache", "pos"), ("o",), _gqa_infer, _gqa_ref,
                attrs={"heads": Attr(A.int), "kv_heads": Attr(A.int), "head_dim": Attr(A.int),
                       "scale": Attr(A.float)},
-               traits=frozenset({Trait.attention}),
+               traits=frozenset({Trait.attention}), tiling=Tiling.columns,
+               # whole groups of the heads that share one kv head (whole heads with them)
+               tile_step=lambda at: at["head_dim"] * at["heads"] // at["kv_heads"],
                cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (1, 2)),
                doc="grouped-query attention of one new token over cache rows 0..pos"))
 
@@ -382,7 +387,7 @@ def _mla_partial_cost(ins, outs, at, dims):
 
 register(OpDef("mla_attention_partial", ("q_lat", "q_pe", "cache", "pos"), ("partials",), _mla_partial_infer,
                _mla_partial_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float), "chunks": Attr(A.int)},
-               traits=frozenset({Trait.attention}), cost_fn=_mla_partial_cost,
+               traits=frozenset({Trait.attention}), tiling=Tiling.chunks, cost_fn=_mla_partial_cost,
                doc="absorbed MLA over `chunks` slices of the cache rows (split-sequence): per chunk "
                    "[o (normalised in the chunk), max score m, sum l]; attention_combine merges them"))
 
@@ -404,4 +409,5 @@ def _combine_parts_ref(a, at):
 
 
 register(OpDef("attention_combine", ("partials",), ("o",), _combine_parts_infer, _combine_parts_ref,
+               tiling=Tiling.heads,
                doc="merge split-sequence attention partials: softmax-weighted by exp(m_i - max) l_i"))

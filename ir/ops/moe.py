@@ -3,7 +3,7 @@ the selected ids (SiTU-GLU inside; bf16 or MXFP4 weights) and the weighted combi
 from __future__ import annotations
 
 from .._lazy import LazyModule
-from ..registry import Attr, AttrKind, Cost, OpDef, Trait, act, register
+from ..registry import Attr, AttrKind, Cost, OpDef, Tiling, Trait, act, register
 from ..types import DType
 from ._util import f32, need, need_dim, need_dtype, need_rank
 from .comm import CURRENT_RANK, group_index
@@ -33,7 +33,7 @@ def _router_ref(a, at):
 
 register(OpDef("router", ("logits", "bias"), ("weights", "ids"), _router_infer, _router_ref,
                attrs={"topk": Attr(A.int), "scale": Attr(A.float, 1.0)},
-               traits=frozenset({Trait.epilogue, Trait.tokenwise}),
+               traits=frozenset({Trait.tokenwise}), tile_epilogue=False,
                doc="sigmoid scores; top-k of scores + bias; weights = scores[ids] / sum * scale"))
 
 
@@ -94,7 +94,7 @@ def _gate_up_ref(a, at):
 
 
 register(OpDef("moe_gate_up", ("x", "ids", "w1", "w3"), ("h",), _gate_up_infer, _gate_up_ref, attrs=EP,
-               traits=frozenset({Trait.gemv}), addressed_by={2: 1, 3: 1},
+               traits=frozenset({Trait.gemv, Trait.expert}), tiling=Tiling.experts, addressed_by={2: 1, 3: 1},
                cost_fn=lambda i, o, at, d: _expert_cost(i, o, at, d, (2, 3)),
                doc="per selected expert: SiTU-GLU(x W1[e]^T, x W3[e]^T)"))
 
@@ -121,7 +121,7 @@ def _down_ref(a, at):
 
 
 register(OpDef("moe_down", ("h", "ids", "w2"), ("y",), _down_infer, _down_ref, attrs=EP,
-               traits=frozenset({Trait.gemv}), addressed_by={2: 1},
+               traits=frozenset({Trait.gemv, Trait.expert}), tiling=Tiling.experts, addressed_by={2: 1},
                cost_fn=lambda i, o, at, d: _expert_cost(i, o, at, d, (2,)),
                doc="per selected expert: y = h W2[e]^T (fp32 out)"))
 
@@ -135,4 +135,4 @@ def _combine_infer(ts, at):
 
 register(OpDef("moe_combine", ("y", "weights"), ("out",), _combine_infer,
                lambda a, at: [(f32(a[0]) * f32(a[1])[..., None]).sum(1)],
-               traits=frozenset({Trait.epilogue}), doc="sum_j w_j y_j in fp32"))
+               tile_epilogue=False, doc="sum_j w_j y_j in fp32"))
