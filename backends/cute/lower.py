@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fusec.ir.graph import Op
+from fusec.ir.registry import Trait
 from fusec.ir.schedule import InstrKind, Schedule, Task
 from fusec.ir.types import DType, Kind, TensorType
 
@@ -33,13 +34,12 @@ from .prefetch import add_weight_prefetch, check_prefetch
 from .table_verify import check_plan
 from .plan import (H200_SMS, NO_EVENT, EwOp, F32Flag, KernelPlan, Opcode, TaskRow, f32_bits, f32_pair)
 
-# Ops that are views in the memory plan: no task row.
-VIEW_OPS = ("slice", "reshape")
 # IR op -> EW sub-opcode for the two-operand / one-operand elementwise epilogues.
 EW_BINARY = {"add": EwOp.ADD, "sigmoid_mul": EwOp.SIGMOID_MUL, "situ_glu": EwOp.SITU_GLU,
              "silu_mul": EwOp.SILU_MUL}
 EW_UNARY = {"sigmoid": EwOp.SIGMOID, "cast": EwOp.COPY}
-SUPPORTED = (set(VIEW_OPS) | set(EW_BINARY) | set(EW_UNARY)
+# Ops with a task body (views, `Trait.view`, are views in the memory plan: no task row).
+SUPPORTED = (set(EW_BINARY) | set(EW_UNARY)
              | {"rms_norm", "linear", "rope", "cache_append", "attention", "embedding", "argmax"} | K3_OPS)
 
 
@@ -90,7 +90,7 @@ class Lowered:
 
 def unsupported_ops(schedule: Schedule) -> list[str]:
     """IR op kinds of the schedule that have no task body (sorted)."""
-    return sorted({op.opname for op in schedule.graph.ops} - SUPPORTED)
+    return sorted({op.opname for op in schedule.graph.ops if Trait.view not in op.opdef.traits} - SUPPORTED)
 
 
 def lower_schedule(schedule: Schedule) -> Lowered:
@@ -244,7 +244,7 @@ class _TaskLowering(K3Lowering):
         rows = []
         for op in ordered:
             out = op.outputs[0].name
-            if op.opname in VIEW_OPS:
+            if Trait.view in op.opdef.traits:
                 src = op.inputs[0].name
                 if src in cols and op.opname == "slice":
                     lo, hi = cols[src]

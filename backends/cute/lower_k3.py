@@ -22,6 +22,7 @@ Layout adaptations the bodies need are made here with per-task scratch (never sh
 """
 from __future__ import annotations
 
+from fusec.ir.registry import Trait
 from fusec.ir.types import DType
 
 from .plan import EwOp, ExpertMode, F32Flag, MlaMode, Opcode, TaskRow, f32_pair
@@ -108,7 +109,7 @@ class K3Lowering:
             return rows
         if kind == "attn_res":
             return self._attn_res(t, op, redirect)
-        if kind in ("moe_gate_up", "moe_down"):
+        if Trait.expert in op.opdef.traits:
             return self._expert(t, op, redirect)
         if kind == "moe_combine":
             y, rw = ins

@@ -20,7 +20,6 @@ from fusec.stats import graph_stats
 
 from . import plots
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all_dispatch", "all_to_all_combine")
 _LOG = re.compile(r"^\[(\w+)\] (.*)$")
 # how the passes phrase a refusal: "X not fused into Y: ...", "stays alone", "is not an epilogue"
 _REFUSAL = re.compile(r"\bnot\b|stays alone")
