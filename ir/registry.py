@@ -36,6 +36,10 @@ class Trait(enum.Enum):
     # batch row b of every output depends only on row b of the batch-major operands (weights
     # whole): the tile pass may cut such a unit along the batch, one task per token
     tokenwise = "tokenwise"
+    # column c of the last dim of its output reads only column c of the last dim of its batch-
+    # major operands (a reduction over the middle dims is fine; the other operands whole): the
+    # tile pass may cut a unit of such ops along the last dim, like an elementwise one
+    columnwise = "columnwise"
     # its result may be a view of its operand in memory (no data moves): the backends give it
     # no task body of its own
     view = "view"

@@ -162,8 +162,8 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
         body = ops[0].opname if len(ops) == 1 else "fused_" + ops[0].opname
         # slices are views: a slice of the tile's box feeds the elementwise op (gate and up
         # halves of a merged projection)
-        elementwise = all(Trait.elementwise in o.opdef.traits and ctx.shape[o.outputs[0].name] == s
-                          for o in ops)
+        elementwise = all((Trait.elementwise in o.opdef.traits and ctx.shape[o.outputs[0].name] == s)
+                          or Trait.columnwise in o.opdef.traits for o in ops)
         if s and not elementwise and s[0] == ctx.dims.get("B") and \
                 all(Trait.tokenwise in o.opdef.traits for o in ops):
             # per-token work (AttnRes + norm, router, argmax): one task per batch row, so a

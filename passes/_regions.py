@@ -55,6 +55,8 @@ def input_boxes(ctx, op: Op, obox, anchor: bool):
         rows = (chunk_rows(L, S, obox[0][0])[0], chunk_rows(L, S, obox[0][1] - 1)[1])
         b = obox[1]                                 # the batch rows of q, the cache and pos
         return [(b,) + full[0][1:], (b,) + full[1][1:], (b, rows, full[2][2]), (b,)]
+    if name == "moe_combine":                       # obox [b, c0:c1]: every slot's columns c0:c1
+        return [(obox[0], full[0][1], obox[1]), (obox[0], full[1][1])]
     if name == "attention_combine":                 # obox [B, h0:h1, D]
         return [(full[0][0], full[0][1], obox[1], full[0][3])]
     if name == "cache_append":                      # writes row pos[b]; reads no cache row

@@ -19,6 +19,13 @@ from .target import GpuSpec
 
 TASK_OVERHEAD_US = 1.5
 
+# A prologue op folded into a GEMV group is recomputed by every tile (every SM), each reading the
+# op's whole input from L2. Above this many input bytes per tile a separate task (split over the
+# SMs) and one more wait cost less: measured on the H200 (slice4-e128), the folded LatentMoE
+# combine read 16 x 3584 fp32 slot rows per batch row in every tile, 3.7 MB at B = 16, and took
+# 157 us of each SM per layer (40 us at B = 4), against a wait of a few us.
+PROLOGUE_MAX_BYTES = 256 * 1024
+
 
 def task_time_us(spec: GpuSpec, nbytes: float, flops: float, remote_bytes: float = 0.0,
                  remote_hops: int = 0, sms: int | None = None, off_domain: bool = False,

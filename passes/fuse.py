@@ -5,7 +5,9 @@ MoE expert GEMVs, MLA's absorb/up-projection), an attention, the KDA recurrence,
 mix. Around it:
   prologue  ops computing the anchor's input, recomputed by every tile: an RMSNorm (x is small at
             decode, so recomputing the row norm per tile is cheaper than a wait on a separate
-            task) and, for the LatentMoE tail, the expert combine before the latent RMSNorm.
+            task) and, for the LatentMoE tail, the expert combine before the latent RMSNorm when
+            its inputs are small (batch 1: `cost.PROLOGUE_MAX_BYTES`; at larger batches every
+            tile re-reading them costs more than a separate task and its wait).
             Legal only if every user of the op is in the group; a norm read by several GEMVs
             is cheap, so it is cloned, one copy per GEMV.
   epilogue  ops applied to the anchor's output tile: elementwise ops (activations situ_glu /
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 
+from .cost import PROLOGUE_MAX_BYTES
 from .options import log
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import Trait
@@ -155,7 +158,11 @@ class _Fuser:
         # LatentMoE tail: the expert combine feeding the latent norm joins too, if only it reads it
         c = norm.inputs[0].producer
         if c is not None and c.opname == "moe_combine" and c.group is None:
-            if len(self.users()[c.outputs[0].name]) == 1:
+            nbytes = sum(v.type.nbytes(self.prog.opts.dims) for v in c.inputs)
+            if nbytes > PROLOGUE_MAX_BYTES:
+                self.say(f"moe_combine %{c.outputs[0].name} not folded: every tile would re-read its "
+                         f"{nbytes / 1024:.0f} KiB of inputs (> {PROLOGUE_MAX_BYTES // 1024} KiB, cost.PROLOGUE_MAX_BYTES)")
+            elif len(self.users()[c.outputs[0].name]) == 1:
                 c.group = name
                 self.info[name]["prologue"].insert(0, c.outputs[0].name)
             else:

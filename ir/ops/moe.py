@@ -135,4 +135,4 @@ def _combine_infer(ts, at):
 
 register(OpDef("moe_combine", ("y", "weights"), ("out",), _combine_infer,
                lambda a, at: [(f32(a[0]) * f32(a[1])[..., None]).sum(1)],
-               tile_epilogue=False, doc="sum_j w_j y_j in fp32"))
+               traits=frozenset({Trait.columnwise}), tile_epilogue=False, doc="sum_j w_j y_j in fp32"))
