@@ -34,10 +34,12 @@ for stage in "$@"; do
              --rounds ${SPEED_ROUNDS:-5} --json "$OUT/speed.json" 2>&1 | grep -v Warn | tee "$OUT/ratio.log" | tail -24 ;;
     gemv-tests) timeout 300 python3 -m pytest -q -rP -m gpu tests/gpu/test_cute_gemv.py -p no:warnings > "$OUT/pytest_gemv.log" 2>&1
                 grep -E "passed|failed|error|Error" "$OUT/pytest_gemv.log" | tail -20 ;;
+    mla) timeout 300 python3 benchmarks/mla_partial.py --batches ${MLA_BATCHES:-1,4,16} --variants "${MLA_VARIANTS:-}" 2>&1 \
+           | grep -v Warn > "$OUT/mla_partial.log"; tail -16 "$OUT/mla_partial.log" ;;
     bodies) timeout 300 python3 -m pytest -q -rP -m gpu tests/gpu/test_cute_bodies.py -p no:warnings > "$OUT/pytest_bodies.log" 2>&1
             grep -E "passed|failed|error|Error" "$OUT/pytest_bodies.log" | tail -20 ;;
     model) timeout 540 python3 benchmarks/cute_model.py --cases ${MODEL_CASES:-kimi_k3:tiny} --batches ${MODEL_BATCHES:-1,4,16} \
              --delay-cases ${MODEL_DELAY:-none} 2>&1 | grep -v Warning > "$OUT/model.log"; tail -14 "$OUT/model.log" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, speed, ratio, bodies, model, model-k3, model-small, tests, compile)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, bodies, model, model-k3, model-small, tests, compile)"; exit 2 ;;
   esac
 done
