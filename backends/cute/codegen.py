@@ -22,7 +22,7 @@ from fusec.passes.target import GPUS
 
 from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ATTN_RES_VECS, ERR_WORDS, MLA_MAX_CHUNKS,
                    MLA_MAX_LORA, MLA_MAX_ROPE, MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS,
-                   PF_LOOKAHEAD, ROUTER_MAX_TOPK, ROUTER_PER_LANE, ROW_WORDS, ErrWord, EwOp, ExpertMode, F32Flag, KernelPlan, Word)
+                   PF_LOOKAHEAD, ROUTER_MAX_TOPK, ROW_WORDS, ErrWord, EwOp, ExpertMode, F32Flag, KernelPlan, Word)
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
 DEFAULT_ARCH = GPUS["h200"].arch   # sm_90a: the kernels use Hopper-only features
@@ -48,7 +48,7 @@ def render(plan: KernelPlan) -> str:
         ew_ops=list(EwOp),
         expert_modes=list(ExpertMode),
         f32_flags=list(F32Flag),
-        router_per_lane=ROUTER_PER_LANE,
+        router_per_lane=plan.router_per_lane,
         router_max_topk=ROUTER_MAX_TOPK,
         attn_res_max_sources=ATTN_RES_MAX_SOURCES,
         attn_res_vecs=ATTN_RES_VECS,

@@ -449,6 +449,15 @@ class KernelPlan:
         return len(self.queues)
 
     @property
+    def router_per_lane(self) -> int:
+        """Expert scores each lane of a ROUTER warp keeps: ceil(experts / 32) of the widest ROUTER
+        row, compiled in (with the ROUTER_PER_LANE maximum for every plan, a 128-expert router
+        ran 32 clamped loads and 32-register scans per pick: 20 us per token at B = 1 on the H200,
+        on the critical path once per MoE layer)."""
+        widest = max((t.k for t in self.tasks if t.opcode == Opcode.ROUTER), default=0)
+        return min(ROUTER_PER_LANE, max(1, -(-widest // 32)))
+
+    @property
     def kda_head_dim(self) -> int:
         """The head dim of the KDA rows (one per kernel: the body's state indexing is compiled
         for it, so its addresses are immediates; KDA_MAX_HEAD_DIM when there are none)."""
