@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
-from fusec.ir.schedule import Event, Instr, InstrKind, Region, Schedule
+from fusec.ir.schedule import Event, Instr, InstrKind, Region, Schedule, Scope, Sem
 from fusec.ir.types import Kind
 
 
@@ -492,6 +492,56 @@ def swap_signals(c, rng):
     return f"task {t.id}: signals e{t.instrs[k + 1].event} and e{t.instrs[k].event} swapped"
 
 
+def _cross_gpu_syncs(s: Schedule):
+    """(task, index) of the SIGNALs and WAITs on a counter that another rank signals or reads."""
+    def remote(t, i):
+        return i.peer is not None and i.peer != t.rank
+    # A replicated schedule lists rank 0's tasks only and every rank's counter e is alike: a
+    # wait is cross-GPU when any signal to its event names a peer.
+    sym = s.replicated and s.ranks > 1
+    from_ranks = defaultdict(set)
+    for t in s.tasks:
+        for i in t.instrs:
+            if i.kind is InstrKind.SIGNAL:
+                from_ranks[i.event if sym else (i.peer if remote(t, i) else t.rank, i.event)].add(
+                    "peer" if sym and remote(t, i) else t.rank)
+    for t in s.tasks:
+        for k, i in enumerate(t.instrs):
+            if i.kind is InstrKind.SIGNAL and remote(t, i):
+                yield t, k
+            elif i.kind is InstrKind.WAIT:
+                senders = from_ranks[i.event if sym else (t.rank, i.event)]
+                if remote(t, i) or ("peer" in senders if sym else bool(senders - {t.rank})):
+                    yield t, k
+
+
+def wait_relaxed(c, rng):
+    t, k = _pick(rng, _waits(c), "wait")
+    t.instrs[k] = replace(t.instrs[k], sem=Sem.relaxed)
+    return f"task {t.id}: wait e{t.instrs[k].event} made relaxed (no acquire)"
+
+
+def signal_relaxed(c, rng):
+    t, k = _pick(rng, _signals(c), "signal")
+    t.instrs[k] = replace(t.instrs[k], sem=Sem.relaxed)
+    return f"task {t.id}: signal e{t.instrs[k].event} made relaxed (no release)"
+
+
+def scope_narrowed(c, rng):
+    t, k = _pick(rng, [(t, k) for t, k in _cross_gpu_syncs(c.s) if t.instrs[k].scope is Scope.sys],
+                 "cross-GPU signal or wait")
+    t.instrs[k] = replace(t.instrs[k], scope=Scope.gpu)
+    return f"task {t.id}: cross-GPU {t.instrs[k].kind.value} e{t.instrs[k].event} narrowed to gpu scope"
+
+
+def scope_widened(c, rng):
+    sites = [(t, k) for t in c.s.tasks for k, i in enumerate(t.instrs)
+             if i.kind in (InstrKind.SIGNAL, InstrKind.WAIT) and i.scope is Scope.gpu]
+    t, k = _pick(rng, sites, "gpu-scope signal or wait")
+    t.instrs[k] = replace(t.instrs[k], scope=Scope.sys)
+    return f"task {t.id}: {t.instrs[k].kind.value} e{t.instrs[k].event} widened to sys scope"
+
+
 @dataclass(frozen=True)
 class Kind_:
     fn: object
@@ -521,6 +571,10 @@ KINDS = {
     "load_after_compute": Kind_(load_after_compute, "unsafe", "a produced-data LOAD moved after the COMPUTE"),
     "task_to_other_sm": Kind_(task_to_other_sm, "unsafe", "a task moved to another SM's queue (header too)"),
     "per_step_changed": Kind_(per_step_changed, "unsafe", "an event's per_step +-1"),
+    "wait_relaxed": Kind_(wait_relaxed, "unsafe", "a WAIT made relaxed (no acquire)"),
+    "signal_relaxed": Kind_(signal_relaxed, "unsafe", "a SIGNAL made relaxed (no release)"),
+    "scope_narrowed": Kind_(scope_narrowed, "unsafe", "a cross-GPU SIGNAL / WAIT narrowed to gpu scope"),
+    "scope_widened": Kind_(scope_widened, "safe", "a SIGNAL / WAIT widened to sys scope"),
     "weight_prefetch_earlier": Kind_(weight_prefetch_earlier, "safe", "static weight LOAD prefetched to the top"),
     "swap_independent_tasks": Kind_(swap_independent_tasks, "safe", "adjacent tasks with no direct dependency swapped"),
     "duplicate_wait": Kind_(duplicate_wait, "safe", "a WAIT repeated"),

@@ -60,7 +60,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from fusec.ir.schedule import Event, InstrKind, Schedule, Task
+from fusec.ir.schedule import Event, InstrKind, Schedule, Scope, Sem, Task
 from fusec.ir.types import Kind
 
 from .schedule_fuzz_clocks import _Clocks, pairs_of
@@ -921,7 +921,30 @@ def _contract(m: Schedule, plans) -> str | None:
     """Rules of the schedule format (DESIGN.md) that no run of the executor can witness: a
     SIGNAL comes after its task's last STORE (V6: a release publishes what precedes it; the
     kernel's task row signals at the end of the body), and an event's declared per_step is the
-    number of signals its counter receives per step (the kernel's waits count with it)."""
+    number of signals its counter receives per step (the kernel's waits count with it); and
+    the PTX memory model's side, which an executor that runs instructions one at a time cannot
+    see: a SIGNAL is a release and a WAIT an acquire (without them a wait orders no data), and
+    both ends of a synchronisation between two GPUs use system scope (a gpu-scope release or
+    acquire synchronises only within its GPU)."""
+    signallers: dict = {}
+    for t in m.tasks:
+        for i in t.instrs:
+            if i.kind is InstrKind.SIGNAL:
+                tgt = t.rank if i.peer is None else i.peer
+                signallers.setdefault((tgt, i.event), set()).add(t.rank)
+    for t in m.tasks:
+        for i in t.instrs:
+            if i.kind not in (InstrKind.SIGNAL, InstrKind.WAIT):
+                continue
+            if i.kind is InstrKind.SIGNAL and i.sem is not Sem.release:
+                return f"task {t.id} signals e{i.event} with {i.sem.value} semantics, not release"
+            if i.kind is InstrKind.WAIT and i.sem is not Sem.acquire:
+                return f"task {t.id} waits on e{i.event} with {i.sem.value} semantics, not acquire"
+            tgt = t.rank if i.peer is None else i.peer
+            cross = tgt != t.rank or (i.kind is InstrKind.WAIT and bool(signallers.get((tgt, i.event), set()) - {tgt}))
+            if cross and i.scope is not Scope.sys:
+                return (f"task {t.id}: {i.kind.value} e{i.event} synchronises across GPUs with "
+                        f"{i.scope.value} scope, not sys")
     for t in m.tasks:
         body = plans[t.id][0]
         last_store = max((k for k, op in enumerate(body) if op[0] in ("S", "RO")), default=-1)
