@@ -28,7 +28,8 @@ from fusec.ir.registry import Trait
 from fusec.ir.schedule import InstrKind, Schedule, Task
 from fusec.ir.types import DType, Kind, TensorType
 
-from .lower_k3 import K3_OPS, K3Lowering
+from .lower_mixers import MixerLowering
+from .lowerings import LOWERINGS, OpCtx, lowers, supported
 from .memory import MemoryPlan, View, build_memory_plan
 from .prefetch import add_weight_prefetch, check_prefetch
 from .table_verify import check_plan
@@ -38,9 +39,6 @@ from .plan import (H200_SMS, NO_EVENT, EwOp, F32Flag, KernelPlan, Opcode, TaskRo
 EW_BINARY = {"add": EwOp.ADD, "sigmoid_mul": EwOp.SIGMOID_MUL, "situ_glu": EwOp.SITU_GLU,
              "silu_mul": EwOp.SILU_MUL}
 EW_UNARY = {"sigmoid": EwOp.SIGMOID, "cast": EwOp.COPY}
-# Ops with a task body (views, `Trait.view`, are views in the memory plan: no task row).
-SUPPORTED = (set(EW_BINARY) | set(EW_UNARY)
-             | {"rms_norm", "linear", "rope", "cache_append", "attention", "embedding", "argmax"} | K3_OPS)
 
 
 class LoweringError(ValueError):
@@ -90,7 +88,7 @@ class Lowered:
 
 def unsupported_ops(schedule: Schedule) -> list[str]:
     """IR op kinds of the schedule that have no task body (sorted)."""
-    return sorted({op.opname for op in schedule.graph.ops if Trait.view not in op.opdef.traits} - SUPPORTED)
+    return sorted({op.opname for op in schedule.graph.ops if Trait.view not in op.opdef.traits} - supported())
 
 
 def lower_schedule(schedule: Schedule) -> Lowered:
@@ -203,7 +201,7 @@ def bind_weights(low: Lowered, bound, weights: dict) -> None:
     fill_consts(low, bound, weights)
 
 
-class _TaskLowering(K3Lowering):
+class _TaskLowering(MixerLowering):
     def __init__(self, schedule: Schedule, mem: MemoryPlan, consts: dict):
         self.s, self.mem, self.consts = schedule, mem, consts
         self.done: set[str] = set()   # values a fused row already produced (rms_norm after attn_res)
@@ -273,96 +271,123 @@ class _TaskLowering(K3Lowering):
         return self.mem.byte_offset(redirect.get(name, name))
 
     def _op_rows(self, t: Task, op: Op, cols, anchor, redirect):
-        kind, out = op.opname, op.outputs[0].name
-        ins = [v.name for v in op.inputs]
-        off = lambda n: self._off(n, redirect)  # noqa: E731
-        view = lambda n: self._v(n, redirect)   # noqa: E731
-        b0, b1 = self._rows(t)
-        if kind == "rms_norm":
-            if anchor is not None and anchor.inputs[0].name == out:
-                redirect[out] = _scratch_name(t, out)
-            if view(ins[0]).dtype is DType.f32:   # RMSNORM streams bf16: fp32 input -> EW RMS (one head)
-                if (b0, b1) != (0, self.B):
-                    raise self.error(f"rms_norm %{out} of fp32 on batch rows {b0}:{b1}: EW RMS runs every row")
-                x, o, gm = view(ins[0]), view(out), view(ins[1])
-                k = x.shape[-1]
-                return [(TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a2=off(out), a3=off(ins[1]), n0=0, n1=k,
-                                 ldx=x.row_stride, ldy=o.row_stride, sub=EwOp.RMS, p2=k,
-                                 p1=self._flags(a=x, o=o) | (int(F32Flag.A3) if gm.dtype is DType.f32 else 0),
-                                 aux=f32_pair(1.0, float(op.attrs.get("eps", 1e-5)))), ("a0", "a2", "a3"))]
-            pre = []
-            self._need_bf16(op, [ins[0], ins[1], out], redirect)
-            x, o = view(ins[0]), view(out)
-            return pre + [(TaskRow(Opcode.RMSNORM, t.id, a0=off(ins[0]), a1=off(ins[1]), a2=off(out),
-                             n0=b0, n1=b1, k=x.shape[-1], ldx=x.row_stride, ldy=o.row_stride,
-                             aux=f32_bits(float(op.attrs.get("eps", 1e-5)))), ("a0", "a1", "a2"))]
-        if kind == "linear":
-            self._need_bf16(op, [ins[0], ins[1]], redirect)
-            x, w, o = view(ins[0]), view(ins[1]), view(out)
-            if o.dtype not in (DType.bf16, DType.f32):
-                raise LoweringError(f"cute lowering: linear %{out} stores {o.dtype.value}; GEMV stores bf16 or f32")
-            flag = int(F32Flag.OUT) if o.dtype is DType.f32 else 0
-            return [(TaskRow(Opcode.GEMV_BF16, t.id, a0=off(ins[1]), a1=off(ins[0]), a2=off(out),
-                             n0=cols[0], n1=cols[1], k=w.shape[1], ldx=x.row_stride, ldy=o.row_stride,
-                             p1=flag), ("a0", "a1", "a2"))]
-        if kind in EW_BINARY or kind in EW_UNARY:
-            if cols[1] <= cols[0]:
-                return []
-            a, o = view(ins[0]), view(out)
-            b = view(ins[1]) if kind in EW_BINARY else None
-            flags = self._flags(a=a, b=b, o=o)
-            row = TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a1=off(ins[1]) if b else 0, a2=off(out),
-                          n0=cols[0], n1=cols[1], ldx=a.row_stride, ldy=o.row_stride,
-                          sub=EW_BINARY.get(kind, EW_UNARY.get(kind)), p0=b.row_stride if b else 0,
-                          p1=flags, p2=1, aux=f32_pair(1.0, 0.0))
-            return [(row, ("a0", "a1", "a2") if b else ("a0", "a2"))]
-        if kind == "rope":
-            if cols[1] <= cols[0]:
-                return []
-            d = int(op.attrs["head_dim"])
-            if cols[0] % d or cols[1] % d:
-                raise LoweringError(f"cute lowering: rope %{out} tile {cols} splits a head of {d}")
-            if redirect.get(ins[0], ins[0]) == out:
-                raise LoweringError(f"cute lowering: rope %{out} in place is not supported")
-            a, o = view(ins[0]), view(out)
-            return [(TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a2=off(out), a3=off(ins[1]),
-                             a4=self.mem.byte_offset(_rope_key(op)), n0=cols[0], n1=cols[1],
-                             ldx=a.row_stride, ldy=o.row_stride, sub=EwOp.ROPE,
-                             p1=self._flags(a=a, o=o), p2=d), ("a0", "a2", "a3", "a4"))]
-        if kind == "cache_append":
-            cache, new, pos = ins
-            c, a = view(cache), view(new)
-            return [(TaskRow(Opcode.EW, t.id, a0=off(new), a1=off(cache), a2=off(cache), a3=off(pos),
-                             n0=0, n1=a.shape[-1], ldx=a.row_stride, ldy=c.strides[1], sub=EwOp.APPEND,
-                             p0=c.strides[0], p1=self._flags(a=a) | (int(F32Flag.A1) if c.dtype is DType.f32 else 0)),
-                     ("a0", "a1", "a2", "a3"))]
-        if kind == "attention":
-            q, kc, vc, pos = ins
-            h, kvh, d = (int(op.attrs[k]) for k in ("heads", "kv_heads", "head_dim"))
-            if tuple(t.tile[-1]) != (0, h * d):
-                raise LoweringError(f"cute lowering: attention %{out} tiled over heads {t.tile[-1]}: "
-                                    "only whole-row tiles are supported")
-            kv = view(kc)
-            if kv.strides != (kv.shape[1] * kv.shape[2], kv.shape[2], 1) or view(vc).strides != kv.strides:
-                raise LoweringError(f"cute lowering: attention %{out} needs contiguous caches")
-            return [(TaskRow(Opcode.ATTENTION, t.id, a0=off(q), a1=off(kc), a5=off(vc), a4=off(pos),
-                             a2=off(out), n0=b0 * h, n1=b1 * h, k=d, ldx=view(q).row_stride,
-                             ldy=view(out).row_stride, p0=h, p1=kv.strides[0], p2=h // kvh,
-                             aux=f32_pair(float(op.attrs["scale"]))), ("a0", "a1", "a2", "a4", "a5"))]
-        if kind == "embedding":
-            table, ids = ins
-            tv, o = view(table), view(out)
-            return [(TaskRow(Opcode.EW, t.id, a0=off(table), a2=off(out), a3=off(ids), n0=cols[0],
-                             n1=cols[1], ldx=tv.row_stride, ldy=o.row_stride, sub=EwOp.GATHER,
-                             p1=self._flags(a=tv, o=o)), ("a0", "a2", "a3"))]
-        if kind == "argmax":
-            x = view(ins[0])
-            return [(TaskRow(Opcode.ARGMAX, t.id, a0=off(ins[0]), a2=off(out), n0=b0, n1=b1,
-                             k=x.shape[-1], ldx=x.row_stride,
-                             p1=int(F32Flag.A0) if x.dtype is DType.f32 else 0), ("a0", "a2"))]
-        return self.k3_rows(t, op, cols, anchor, redirect)
+        """The op's task rows, from the backend's per-op table (lowerings.py)."""
+        fn = LOWERINGS.get(op.opname)
+        if fn is None:
+            raise self.error(f"no megakernel task body for op '{op.opname}' (%{op.outputs[0].name})")
+        return fn(self, OpCtx(self, t, op, cols, anchor, redirect))
 
-    # -- helpers shared with lower_k3 --------------------------------------------------------
+    @lowers('rms_norm')
+    def _lower_rms_norm(self, c: OpCtx):
+        t, op, anchor, redirect, ins, out, view, off = c.t, c.op, c.anchor, c.redirect, c.ins, c.out, c.view, c.off
+        b0, b1 = self._rows(c.t)
+        if anchor is not None and anchor.inputs[0].name == out:
+            redirect[out] = _scratch_name(t, out)
+        if view(ins[0]).dtype is DType.f32:   # RMSNORM streams bf16: fp32 input -> EW RMS (one head)
+            if (b0, b1) != (0, self.B):
+                raise self.error(f"rms_norm %{out} of fp32 on batch rows {b0}:{b1}: EW RMS runs every row")
+            x, o, gm = view(ins[0]), view(out), view(ins[1])
+            k = x.shape[-1]
+            return [(TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a2=off(out), a3=off(ins[1]), n0=0, n1=k,
+                             ldx=x.row_stride, ldy=o.row_stride, sub=EwOp.RMS, p2=k,
+                             p1=self._flags(a=x, o=o) | (int(F32Flag.A3) if gm.dtype is DType.f32 else 0),
+                             aux=f32_pair(1.0, float(op.attrs.get("eps", 1e-5)))), ("a0", "a2", "a3"))]
+        pre = []
+        self._need_bf16(op, [ins[0], ins[1], out], redirect)
+        x, o = view(ins[0]), view(out)
+        return pre + [(TaskRow(Opcode.RMSNORM, t.id, a0=off(ins[0]), a1=off(ins[1]), a2=off(out),
+                         n0=b0, n1=b1, k=x.shape[-1], ldx=x.row_stride, ldy=o.row_stride,
+                         aux=f32_bits(float(op.attrs.get("eps", 1e-5)))), ("a0", "a1", "a2"))]
+
+    @lowers('linear')
+    def _lower_linear(self, c: OpCtx):
+        t, op, cols, redirect, ins, out, view, off = c.t, c.op, c.cols, c.redirect, c.ins, c.out, c.view, c.off
+        self._need_bf16(op, [ins[0], ins[1]], redirect)
+        x, w, o = view(ins[0]), view(ins[1]), view(out)
+        if o.dtype not in (DType.bf16, DType.f32):
+            raise LoweringError(f"cute lowering: linear %{out} stores {o.dtype.value}; GEMV stores bf16 or f32")
+        flag = int(F32Flag.OUT) if o.dtype is DType.f32 else 0
+        return [(TaskRow(Opcode.GEMV_BF16, t.id, a0=off(ins[1]), a1=off(ins[0]), a2=off(out),
+                         n0=cols[0], n1=cols[1], k=w.shape[1], ldx=x.row_stride, ldy=o.row_stride,
+                         p1=flag), ("a0", "a1", "a2"))]
+
+    @lowers(*EW_BINARY, *EW_UNARY)
+    def _lower_elementwise(self, c: OpCtx):
+        t, cols, ins, out, view, off = c.t, c.cols, c.ins, c.out, c.view, c.off
+        kind = c.op.opname
+        if cols[1] <= cols[0]:
+            return []
+        a, o = view(ins[0]), view(out)
+        b = view(ins[1]) if kind in EW_BINARY else None
+        flags = self._flags(a=a, b=b, o=o)
+        row = TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a1=off(ins[1]) if b else 0, a2=off(out),
+                      n0=cols[0], n1=cols[1], ldx=a.row_stride, ldy=o.row_stride,
+                      sub=EW_BINARY.get(kind, EW_UNARY.get(kind)), p0=b.row_stride if b else 0,
+                      p1=flags, p2=1, aux=f32_pair(1.0, 0.0))
+        return [(row, ("a0", "a1", "a2") if b else ("a0", "a2"))]
+
+    @lowers('rope')
+    def _lower_rope(self, c: OpCtx):
+        t, op, cols, redirect, ins, out, view, off = c.t, c.op, c.cols, c.redirect, c.ins, c.out, c.view, c.off
+        if cols[1] <= cols[0]:
+            return []
+        d = int(op.attrs["head_dim"])
+        if cols[0] % d or cols[1] % d:
+            raise LoweringError(f"cute lowering: rope %{out} tile {cols} splits a head of {d}")
+        if redirect.get(ins[0], ins[0]) == out:
+            raise LoweringError(f"cute lowering: rope %{out} in place is not supported")
+        a, o = view(ins[0]), view(out)
+        return [(TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a2=off(out), a3=off(ins[1]),
+                         a4=self.mem.byte_offset(_rope_key(op)), n0=cols[0], n1=cols[1],
+                         ldx=a.row_stride, ldy=o.row_stride, sub=EwOp.ROPE,
+                         p1=self._flags(a=a, o=o), p2=d), ("a0", "a2", "a3", "a4"))]
+
+    @lowers('cache_append')
+    def _lower_cache_append(self, c: OpCtx):
+        t, ins, view, off = c.t, c.ins, c.view, c.off
+        cache, new, pos = ins
+        c, a = view(cache), view(new)
+        return [(TaskRow(Opcode.EW, t.id, a0=off(new), a1=off(cache), a2=off(cache), a3=off(pos),
+                         n0=0, n1=a.shape[-1], ldx=a.row_stride, ldy=c.strides[1], sub=EwOp.APPEND,
+                         p0=c.strides[0], p1=self._flags(a=a) | (int(F32Flag.A1) if c.dtype is DType.f32 else 0)),
+                 ("a0", "a1", "a2", "a3"))]
+
+    @lowers('attention')
+    def _lower_attention(self, c: OpCtx):
+        t, op, ins, out, view, off = c.t, c.op, c.ins, c.out, c.view, c.off
+        b0, b1 = self._rows(c.t)
+        q, kc, vc, pos = ins
+        h, kvh, d = (int(op.attrs[k]) for k in ("heads", "kv_heads", "head_dim"))
+        if tuple(t.tile[-1]) != (0, h * d):
+            raise LoweringError(f"cute lowering: attention %{out} tiled over heads {t.tile[-1]}: "
+                                "only whole-row tiles are supported")
+        kv = view(kc)
+        if kv.strides != (kv.shape[1] * kv.shape[2], kv.shape[2], 1) or view(vc).strides != kv.strides:
+            raise LoweringError(f"cute lowering: attention %{out} needs contiguous caches")
+        return [(TaskRow(Opcode.ATTENTION, t.id, a0=off(q), a1=off(kc), a5=off(vc), a4=off(pos),
+                         a2=off(out), n0=b0 * h, n1=b1 * h, k=d, ldx=view(q).row_stride,
+                         ldy=view(out).row_stride, p0=h, p1=kv.strides[0], p2=h // kvh,
+                         aux=f32_pair(float(op.attrs["scale"]))), ("a0", "a1", "a2", "a4", "a5"))]
+
+    @lowers('embedding')
+    def _lower_embedding(self, c: OpCtx):
+        t, cols, ins, out, view, off = c.t, c.cols, c.ins, c.out, c.view, c.off
+        table, ids = ins
+        tv, o = view(table), view(out)
+        return [(TaskRow(Opcode.EW, t.id, a0=off(table), a2=off(out), a3=off(ids), n0=cols[0],
+                         n1=cols[1], ldx=tv.row_stride, ldy=o.row_stride, sub=EwOp.GATHER,
+                         p1=self._flags(a=tv, o=o)), ("a0", "a2", "a3"))]
+
+    @lowers('argmax')
+    def _lower_argmax(self, c: OpCtx):
+        t, ins, out, view, off = c.t, c.ins, c.out, c.view, c.off
+        b0, b1 = self._rows(c.t)
+        x = view(ins[0])
+        return [(TaskRow(Opcode.ARGMAX, t.id, a0=off(ins[0]), a2=off(out), n0=b0, n1=b1,
+                         k=x.shape[-1], ldx=x.row_stride,
+                         p1=int(F32Flag.A0) if x.dtype is DType.f32 else 0), ("a0", "a2"))]
+
+    # -- helpers shared with lower_mixers -----------------------------------------------------
     def error(self, msg: str) -> LoweringError:
         return LoweringError("cute lowering: " + msg)
 
