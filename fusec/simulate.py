@@ -19,6 +19,7 @@ from fusec.passes.options import Options
 from fusec.passes.target import gpu_spec
 from fusec.stats import graph_stats
 from fusec.ir.graph import Graph
+from fusec.ir.registry import Trait
 
 PIPE = ["canonicalize", "fuse", "shard", "tile", "overlap", "schedule"]
 
@@ -56,8 +57,7 @@ def simulate(model_graph: Graph, ranks: int, gpu: str = "h200", batch: int = 1,
     run_pipeline(prog, PIPE)
     s = prog.schedule
     st = graph_stats(prog.graph, opts.dims)
-    coll = sum(1 for op in prog.graph.ops if op.opname in (
-        "all_reduce", "reduce_scatter", "all_gather", "all_to_all_dispatch", "all_to_all_combine"))
+    coll = sum(1 for op in prog.graph.ops if Trait.collective in op.opdef.traits)
     plan = prog.notes.get("shard", {"tp": 1, "ep": 1})
     note = "" if plan["tp"] == ranks else f"{ranks // plan['tp']} replica groups of tp = {plan['tp']}"
     return SimResult(gpu, ranks, plan["tp"], plan["ep"], batch, float(s.meta["predicted_step_us"]),
