@@ -154,8 +154,13 @@ def cmd_ops(args) -> int:
         d = REGISTRY[name]
         attrs = ", ".join(f"{k}:{a.kind.value}" for k, a in d.attrs.items())
         traits = ",".join(sorted(t.value for t in d.traits))
+        # how the tile pass treats it: the family it anchors (tiling) and whether it may ride
+        # on another op's tile as an epilogue
+        tiling = f"tiling={d.tiling.value}" if d.tiling is not None else ""
+        lower = ", ".join(x for x in (tiling, "" if d.tile_epilogue else "no-epilogue") if x)
         print(f"{name}({', '.join(d.operands)}) -> {', '.join(d.results)}"
-              f"{'  {' + attrs + '}' if attrs else ''}{'  [' + traits + ']' if traits else ''}")
+              f"{'  {' + attrs + '}' if attrs else ''}{'  [' + traits + ']' if traits else ''}"
+              f"{'  <' + lower + '>' if lower else ''}")
         if d.doc:
             print(f"    {d.doc}")
     return 0
