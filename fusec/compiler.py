@@ -71,10 +71,11 @@ def _compile_into(graph, out: Path, *, emit, ranks, batch, max_len, passes, prin
     res.written.append(write_text(out / "summary.txt", res.summary + "\n"))
     if emit == "fir":
         return res
-    from fusec.passes.manager import parse_pipeline
+    from fusec.passes.manager import gc_paused, parse_pipeline
     # Progress on stderr for a person at a terminal (tqdm turns itself off when stderr is not
-    # one): a full-K3 compile spends seconds in the tile, schedule and verify stages.
-    with tqdm(total=len(parse_pipeline(passes)) + 2, unit="stage", file=sys.stderr, disable=None,
+    # one): a full-K3 compile spends seconds in the tile, schedule and verify stages. The
+    # collector is paused while the schedule is built, checked and written (see gc_paused).
+    with gc_paused(), tqdm(total=len(parse_pipeline(passes)) + 2, unit="stage", file=sys.stderr, disable=None,
               leave=False, bar_format="{desc:<24} {bar:20} {n_fmt}/{total_fmt} [{elapsed}]") as bar:
         prog = lower(graph, Options.from_env(ranks=ranks, batch=batch, max_len=max_len,
                                              print_ir_after_all=print_ir_after_all, dump_dir=dump_dir),
