@@ -26,7 +26,7 @@ from fusec.ir.schedule import InstrKind, Region, Schedule
 from fusec.ir.types import Kind
 
 from ._lowering import COLLECTIVES, _anchor_kind, _op_box
-from ._regions import box_hull, full_box, input_boxes, out_boxes
+from ._regions import box_hull, full_box, input_rule, out_rule
 from ._rules import Rule, Violation
 
 
@@ -296,7 +296,7 @@ class Derived:
                     ab = o.opdef.addressed_by or {}
                     ext = [(i, v.name, st[o.inputs[ab[i]].name] if i in ab else None)
                            for i, v in enumerate(o.inputs) if v.name not in produced]
-                    per_op.append((o, ext, o.outputs[0].name if len(o.outputs) == 1 else None))
+                    per_op.append([o, ext, o.outputs[0].name if len(o.outputs) == 1 else None, None, None])
                 stored = [(v.name, st[v.name]) for o in ops for v in o.outputs
                           if v.name in ctx.outputs or any(id(u) not in members for u in ctx.users.get(v.name, ()))]
                 prim = ctx.shape[(anchor or ops[-1]).outputs[0].name]
@@ -322,7 +322,8 @@ class Derived:
         boxes = dict(pro_boxes)
         addr: dict[str, str] = {}
         fb = ctx.fb
-        for o, ext, single in per_op:
+        for rec in per_op:
+            o, ext, single, in_rule, out_rule_ = rec
             if tile is None:
                 ob = fb[o.outputs[0].name]
             elif o is anchor or anchor is None:
@@ -331,9 +332,12 @@ class Derived:
                 ob = _op_box(ctx, o, boxes, tile)
                 if ob is None:
                     continue
-            bxs = input_boxes(ctx, o, ob, o is anchor)
+            if in_rule is None:
+                in_rule = rec[3] = input_rule(ctx, o)
+            bxs = in_rule(ob)
+            n_bxs = len(bxs)
             for i, vn, src in ext:
-                bx = bxs[i] if i < len(bxs) else None
+                bx = bxs[i] if i < n_bxs else None
                 if bx is None:
                     continue
                 old = loads.get(vn)
@@ -343,7 +347,9 @@ class Derived:
             if single is not None:
                 boxes[single] = ob
             else:
-                for v, bx in zip(o.outputs, out_boxes(ctx, o, ob)):
+                if out_rule_ is None:
+                    out_rule_ = rec[4] = out_rule(ctx, o)
+                for v, bx in zip(o.outputs, out_rule_(ob)):
                     boxes[v.name] = bx
         st = ctx.storage
         reads: dict[str, list] = {}

@@ -19,7 +19,7 @@ from fusec.ir.schedule import Instr, InstrKind, Region, Task
 from fusec.ir.types import Kind, TensorType
 
 from ._collectives import emit_collective
-from ._regions import box_hull, full_box, input_boxes, out_boxes
+from ._regions import box_hull, full_box, input_rule, out_rule
 from ._units import MIN_TASK_BYTES, Unit
 from .cost import task_time_us
 from .target import gpu_spec
@@ -287,8 +287,12 @@ def _op_box(ctx: _Ctx, o: Op, boxes: dict, tile) -> tuple | None:
     """Box of `o`'s first output in this tile from its driving operand; None = not computed."""
     if o.opname == "linear":            # sibling GEMV: the anchor's rows
         return tile
-    d = _driver(o, set(boxes))
-    if d is None or d.producer is None or not any(v is d for v in o.inputs):
+    for d in o.inputs:                  # the driver (`_driver`): the first operand made in the unit
+        if d.name in boxes:
+            break
+    else:
+        return None
+    if d.producer is None:
         return None
     db = boxes[d.name]
     if o.opname == "slice":
@@ -322,38 +326,69 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                 pro_loads[v.name] = ctx.fb[v.name]
     pro_boxes = {v.name: ctx.fb[v.name] for o in pro for v in o.outputs}
     memo = ctx.memo
-    tiled_ops = [(o, o.opdef.addressed_by, costs[id(o)].flops / max(1, ctx.numel[o.outputs[0].name]))
-                 for o in core + epi]
+    # Per tiled op, what is the same for every tile (the loop below runs ~10^5 times on full K3):
+    # (op, is the anchor, flops per output element, its operands read from outside the unit as
+    # (index, value, storage addressing it or None, expert-parallel odds), the name of its one
+    # output or None when it has several, its region rules (built at first use))
+    tiled_ops = []
+    for o in core + epi:
+        ab = o.opdef.addressed_by
+        ext = []
+        for i, v in enumerate(o.inputs):
+            if v.name in produced_here:
+                continue
+            src = ab.get(i) if ab else None
+            if src is None:
+                ext.append((i, v.name, None, None))
+            else:   # expert parallel: a slot's expert is on this rank with odds 1 / ep_ranks
+                ext.append((i, v.name, ctx.storage[o.inputs[src].name], 1.0 / o.attrs.get("ep_ranks", 1)))
+        tiled_ops.append([o, o is anchor or anchor is None, costs[id(o)].flops / max(1, ctx.numel[o.outputs[0].name]),
+                          ext, o.outputs[0].name if len(o.outputs) == 1 else None, None, None])
+    stored_names = [v.name for v in stored]
+    last_fb = ctx.fb[ops[-1].outputs[0].name]
+    storage, kinds, shape = ctx.storage, ctx.kind, ctx.shape
+    LOAD, STORE, weight = InstrKind.LOAD, InstrKind.STORE, Kind.weight
+    spec, sms = ctx.spec, ctx.sms
     for tile in tiles:
         boxes = dict(pro_boxes)
         loads = dict(pro_loads)
         addr: dict[str, str] = {}
         epf: dict[str, float] = {}
         flops = 0.0
-        for k, (o, ab, fpe) in enumerate(tiled_ops):
+        for rec in tiled_ops:
+            o, whole_tile, fpe, ext, single, in_rule, out_rule_ = rec
             if tile is None:                 # untiled unit: each op computes its whole output
                 ob = ctx.fb[o.outputs[0].name]
-            elif o is anchor or (anchor is None and k == 0) or anchor is None:
+            elif whole_tile:
                 ob = tile
             else:
                 ob = _op_box(ctx, o, boxes, tile)
                 if ob is None:               # this tile holds none of the op's slice
                     continue
-            ins = input_boxes(ctx, o, ob, o is anchor)
-            for i, (v, bx) in enumerate(zip(o.inputs, ins)):
-                vn = v.name
-                if vn in produced_here or bx is None:
+            if in_rule is None:
+                in_rule = rec[5] = input_rule(ctx, o)
+            ins = in_rule(ob)
+            n_ins = len(ins)
+            for i, vn, a, e in ext:
+                bx = ins[i] if i < n_ins else None
+                if bx is None:
                     continue
-                loads[vn] = box_hull(loads.get(vn), bx)
-                if ab:
-                    src = ab.get(i)
-                    if src is not None:
-                        addr[vn] = ctx.storage[o.inputs[src].name]
-                        # expert parallel: a slot's expert is on this rank with odds 1 / ep_ranks
-                        epf[vn] = 1.0 / o.attrs.get("ep_ranks", 1)
-            for v, bx in zip(o.outputs, out_boxes(ctx, o, ob)):
-                boxes[v.name] = bx
-            flops += fpe * math.prod([b - a for a, b in ob])
+                old = loads.get(vn)
+                loads[vn] = bx if old is None or old == bx else box_hull(old, bx)
+                if a is not None:
+                    addr[vn] = a
+                    epf[vn] = e
+            if single is not None:
+                boxes[single] = ob
+            else:
+                if out_rule_ is None:
+                    out_rule_ = rec[6] = out_rule(ctx, o)
+                for v, bx in zip(o.outputs, out_rule_(ob)):
+                    boxes[v.name] = bx
+            n = 1
+            for lo, hi in ob:
+                n *= hi - lo
+            flops += fpe * n
         instrs, nbytes = [], 0.0
         for vn, box in loads.items():
             a = addr.get(vn)
@@ -361,25 +396,25 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
             hit = memo.get(key)
             if hit is None:
                 nb = ctx.nbytes(vn, box)
-                if a is not None and ctx.kind[vn] is Kind.weight:   # one expert's rows of the box
-                    nb *= epf.get(vn, 1.0) / ctx.shape[vn][0]
-                hit = memo[key] = (Instr(InstrKind.LOAD, Region(ctx.storage[vn], box), addressed_by=a), nb)
+                if a is not None and kinds[vn] is weight:   # one expert's rows of the box
+                    nb *= epf.get(vn, 1.0) / shape[vn][0]
+                hit = memo[key] = (Instr(LOAD, Region(storage[vn], box), addressed_by=a), nb)
             instrs.append(hit[0])
             nbytes += hit[1]
         instrs.append(COMPUTE)
-        for v in stored:
-            bx = boxes.get(v.name)
+        for vn in stored_names:
+            bx = boxes.get(vn)
             if bx is None:
                 continue
-            key = (v.name, bx, "store")
+            key = (vn, bx, "store")
             hit = memo.get(key)
             if hit is None:
-                hit = memo[key] = (Instr(InstrKind.STORE, Region(ctx.storage[v.name], bx)),
-                                   store_bytes.get(v.name, ctx.nbytes(v.name, bx)))
+                hit = memo[key] = (Instr(STORE, Region(storage[vn], bx)),
+                                   store_bytes.get(vn, ctx.nbytes(vn, bx)))
             instrs.append(hit[0])
             nbytes += hit[1]
-        t = Task(len(ctx.tasks), 0, -1, body, op_names, tile if tile is not None else
-                 ctx.fb[ops[-1].outputs[0].name], instrs, task_time_us(ctx.spec, nbytes, flops, sms=ctx.sms))
+        t = Task(len(ctx.tasks), 0, -1, body, op_names, tile if tile is not None else last_fb, instrs,
+                 task_time_us(spec, nbytes, flops, sms=sms))
         ctx.tasks.append(t)
         unit.task_ids.append(t.id)
     unit.reads = {v.name for o in ops for v in o.inputs if v.name not in produced_here}

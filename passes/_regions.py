@@ -1,6 +1,12 @@
 """Exact regions per op: the box of each input an output tile needs, and the boxes of every
-output given the first one's. Used by the `tile` pass's lowering (`_lowering.py`); `ctx` is its
-`_Ctx` (shapes `ctx.shape`, full boxes `ctx.fb`, both by value name).
+output given the first one's. Used by the `tile` pass's lowering (`_lowering.py`) and the
+verifier's derivation (`_derive.py`); `ctx` is either's context (shapes `ctx.shape`, full boxes
+`ctx.fb`, kinds `ctx.kind`, all by value name).
+
+Each op's rule is built once per context (`input_rule`, `out_rule`): what does not depend on
+the tile (shapes, full boxes, attrs, which case applies) is read then, and the returned function
+only computes the boxes of one tile. A full K3 lowers ~2 * 10^5 (op, tile) pairs, and the
+verifier derives them all again. `input_boxes` / `out_boxes` are the same rules called once.
 """
 from __future__ import annotations
 
@@ -23,92 +29,166 @@ def box_hull(old, bx):
     return tuple((min(a0, b0), max(a1, b1)) for (a0, a1), (b0, b1) in zip(old, bx))
 
 
-def input_boxes(ctx, op: Op, obox, anchor: bool):
+def _rules(ctx) -> dict:
+    got = getattr(ctx, "_region_rules", None)
+    if got is None:
+        got = ctx._region_rules = {}
+    return got
+
+
+def input_rule(ctx, op: Op):
+    """f(obox) -> boxes of `op`'s inputs needed to compute `obox` of its first output (None for
+    an input it does not read), built once per (ctx, op)."""
+    memo = _rules(ctx)
+    hit = memo.get(("in", id(op)))
+    if hit is None:
+        hit = memo[("in", id(op))] = (op, _input_rule(ctx, op))    # the op kept: its id stays its own
+    return hit[1]
+
+
+def out_rule(ctx, op: Op):
+    """f(obox) -> boxes of every output of `op` given the box of the first (aliased state
+    outputs included), built once per (ctx, op)."""
+    memo = _rules(ctx)
+    hit = memo.get(("out", id(op)))
+    if hit is None:
+        hit = memo[("out", id(op))] = (op, _out_rule(ctx, op))
+    return hit[1]
+
+
+def input_boxes(ctx, op: Op, obox, anchor: bool = False):
     """Boxes of `op`'s inputs needed to compute `obox` of its first output."""
+    return input_rule(ctx, op)(obox)
+
+
+def out_boxes(ctx, op: Op, obox):
+    """Boxes of every output given the box of the first (aliased state outputs included)."""
+    return out_rule(ctx, op)(obox)
+
+
+def _input_rule(ctx, op: Op):
+    # Reads in the order the rules always did, so a malformed op fails with the same error.
     sh = [ctx.shape[v.name] for v in op.inputs]
     out = ctx.shape[op.outputs[0].name]
     full = [ctx.fb[v.name] for v in op.inputs]
     name = op.opname
     if name == "linear":
-        return [full[0], (obox[-1], (0, sh[1][1]))]
+        f0, rows = full[0], (0, sh[1][1])
+        return lambda obox: [f0, (obox[-1], rows)]
     if name == "mla_q_absorb":                      # obox [B, h0:h1, lora]
-        h0, h1 = obox[1]
         per = op.attrs["nope"] + op.attrs["v_dim"]
-        return [(full[0][0], (h0, h1), full[0][2]), ((h0 * per, h1 * per), full[1][1])]
+        f0, f1 = full[0], full[1]
+
+        def mla_q_absorb(obox):
+            h0, h1 = obox[1]
+            return [(f0[0], (h0, h1), f0[2]), ((h0 * per, h1 * per), f1[1])]
+        return mla_q_absorb
     if name == "mla_v_up":                          # obox [B, h0*vd:h1*vd]
         vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
-        h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
-        return [(full[0][0], (h0, h1), full[0][2]), ((h0 * per, h1 * per), full[1][1])]
+        f0, f1 = full[0], full[1]
+
+        def mla_v_up(obox):
+            h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
+            return [(f0[0], (h0, h1), f0[2]), ((h0 * per, h1 * per), f1[1])]
+        return mla_v_up
     if Trait.expert in op.opdef.traits:             # obox [b, k, rows]; weights of every expert
-        b, k, rows = obox
-        w = [(full[i][0], rows, full[i][2]) for i in range(2, len(sh))]
-        # the input: tokens x [B, D] (gate/up), or one row per (token, slot) h [B, K, I] (down)
-        x = (b, full[0][1]) if len(sh[0]) == 2 else (b, k, full[0][2])
-        return [x, (b, full[1][1])] + w
+        n, two_d = len(sh), len(sh[0]) == 2
+
+        def expert(obox):
+            b, k, rows = obox
+            w = [(full[i][0], rows, full[i][2]) for i in range(2, n)]
+            # the input: tokens x [B, D] (gate/up), or one row per (token, slot) h [B, K, I] (down)
+            x = (b, full[0][1]) if two_d else (b, k, full[0][2])
+            return [x, (b, full[1][1])] + w
+        return expert
     if name == "mla_attention_naive":               # obox [B, h*vd]
         vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
-        h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
-        return [(full[0][0], (h0, h1), full[0][2]), (full[1][0], (h0, h1), full[1][2]), full[2],
-                ((h0 * per, h1 * per), full[3][1]), full[4]]
+
+        def mla_attention_naive(obox):
+            h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
+            return [(full[0][0], (h0, h1), full[0][2]), (full[1][0], (h0, h1), full[1][2]), full[2],
+                    ((h0 * per, h1 * per), full[3][1]), full[4]]
+        return mla_attention_naive
     if name == "mla_attention_partial":             # obox [c0:c1, B, H, lora+2]: cache chunk rows
-        L, S = sh[2][1], op.attrs["chunks"]
-        rows = (chunk_rows(L, S, obox[0][0])[0], chunk_rows(L, S, obox[0][1] - 1)[1])
-        b = obox[1]                                 # the batch rows of q, the cache and pos
-        return [(b,) + full[0][1:], (b,) + full[1][1:], (b, rows, full[2][2]), (b,)]
+        def mla_attention_partial(obox):
+            L, S = sh[2][1], op.attrs["chunks"]
+            rows = (chunk_rows(L, S, obox[0][0])[0], chunk_rows(L, S, obox[0][1] - 1)[1])
+            b = obox[1]                             # the batch rows of q, the cache and pos
+            return [(b,) + full[0][1:], (b,) + full[1][1:], (b, rows, full[2][2]), (b,)]
+        return mla_attention_partial
     if name == "moe_combine":                       # obox [b, c0:c1]: every slot's columns c0:c1
-        return [(obox[0], full[0][1], obox[1]), (obox[0], full[1][1])]
+        return lambda obox: [(obox[0], full[0][1], obox[1]), (obox[0], full[1][1])]
     if name == "attention_combine":                 # obox [B, h0:h1, D]
-        return [(full[0][0], full[0][1], obox[1], full[0][3])]
+        return lambda obox: [(full[0][0], full[0][1], obox[1], full[0][3])]
     if name == "cache_append":                      # writes row pos[b]; reads no cache row
-        return [None, full[1], full[2]]
+        return lambda obox: [None, full[1], full[2]]
     if name == "mla_attention":                     # obox [B, h0:h1, lora]
-        hb = obox[1]
-        return [(full[0][0], hb, full[0][2]), (full[1][0], hb, full[1][2]), full[2], full[3]]
+        def mla_attention(obox):
+            hb = obox[1]
+            return [(full[0][0], hb, full[0][2]), (full[1][0], hb, full[1][2]), full[2], full[3]]
+        return mla_attention
     if name == "attention":                         # obox [B, h0*D:h1*D]; kv heads of the group
         d, grp = op.attrs["head_dim"], op.attrs["heads"] // op.attrs["kv_heads"]
-        h0, h1 = obox[-1][0] // d, obox[-1][1] // d
-        kv = ((h0 // grp) * d, ((h1 - 1) // grp + 1) * d)
-        return [obox, (full[1][0], full[1][1], kv), (full[2][0], full[2][1], kv), full[3]]
+
+        def attention(obox):
+            h0, h1 = obox[-1][0] // d, obox[-1][1] // d
+            kv = ((h0 // grp) * d, ((h1 - 1) // grp + 1) * d)
+            return [obox, (full[1][0], full[1][1], kv), (full[2][0], full[2][1], kv), full[3]]
+        return attention
     if name == "kda_recurrent":                     # obox [B, h0*D:h1*D]
         d = op.attrs["head_dim"]
-        h0, h1 = obox[-1][0] // d, obox[-1][1] // d
-        return [obox] * 4 + [(obox[0], (h0, h1)), (obox[0], (h0, h1), full[5][2], full[5][3])]
+
+        def kda_recurrent(obox):
+            h0, h1 = obox[-1][0] // d, obox[-1][1] // d
+            return [obox] * 4 + [(obox[0], (h0, h1)), (obox[0], (h0, h1), full[5][2], full[5][3])]
+        return kda_recurrent
     if name == "conv_update":
-        return [obox, (obox[0], obox[1], full[1][2]), (obox[1], full[2][1], full[2][2])]
+        return lambda obox: [obox, (obox[0], obox[1], full[1][2]), (obox[1], full[2][1], full[2][2])]
     if name == "embedding":
-        return [(full[0][0], obox[-1]), full[1]]
+        return lambda obox: [(full[0][0], obox[-1]), full[1]]
     if name == "slice":                             # the same box, shifted along the sliced dim
         d = op.attrs["dim"] % len(out)
         st = op.attrs["start"]
-        return [tuple((a + st, b + st) if i == d else (a, b) for i, (a, b) in enumerate(obox))]
+        return lambda obox: [tuple((a + st, b + st) if i == d else (a, b) for i, (a, b) in enumerate(obox))]
+    same = [tuple(s) == tuple(out) for s in sh]
     if Trait.tokenwise in op.opdef.traits:          # rows of obox: the same rows of batch-major inputs
-        return [obox if tuple(s) == tuple(out) else
-                f if not s or ctx.kind[v.name] is Kind.weight else ((obox[0],) + tuple(f[1:]))
-                for v, s, f in zip(op.inputs, sh, full)]
+        # per input: the tile's box, the whole value, or the tile's rows of it
+        mode = [(0, None) if eq else (1, f) if not s or ctx.kind[v.name] is Kind.weight else (2, tuple(f[1:]))
+                for v, s, f, eq in zip(op.inputs, sh, full, same)]
+        return lambda obox: [obox if m == 0 else f if m == 1 else (obox[0],) + f for m, f in mode]
     # elementwise-like: same-shape operands take the box; vectors along the last dim its range
-    res = []
-    for s, f in zip(sh, full):
-        if tuple(s) == tuple(out):
-            res.append(obox)
-        elif len(s) == 1 and len(out) >= 1 and s[0] == out[-1] and Trait.whole_vectors not in op.opdef.traits:
-            res.append((obox[-1],))
-        else:
-            res.append(f)
-    return res
+    whole = Trait.whole_vectors in op.opdef.traits
+    mode = [(0, None) if eq else
+            (1, None) if len(s) == 1 and len(out) >= 1 and s[0] == out[-1] and not whole else (2, f)
+            for s, f, eq in zip(sh, full, same)]
+    return lambda obox: [obox if m == 0 else (obox[-1],) if m == 1 else f for m, f in mode]
 
 
-def out_boxes(ctx, op: Op, obox):
-    """Boxes of every output given the box of the first (aliased state outputs included)."""
-    res = [obox]
+def _out_rule(ctx, op: Op):
+    if len(op.outputs) == 1:
+        return lambda obox: [obox]
+    rest = []               # per further output: (kind of rule, its shape)
     for v in op.outputs[1:]:
         s = ctx.shape[v.name]
         if op.opname == "kda_recurrent":
-            d = op.attrs["head_dim"]
-            res.append((obox[0], (obox[-1][0] // d, obox[-1][1] // d), (0, s[2]), (0, s[3])))
+            rest.append((0, s, op.attrs["head_dim"]))
         elif op.opname == "conv_update":
-            res.append((obox[0], obox[1], (0, s[2])))
+            rest.append((1, s, None))
         elif tuple(s) == tuple(ctx.shape[op.outputs[0].name]):
-            res.append(obox)
+            rest.append((2, s, None))
         else:
-            res.append(full_box(s))
-    return res
+            rest.append((3, full_box(s), None))
+
+    def rule(obox):
+        res = [obox]
+        for m, s, d in rest:
+            if m == 0:
+                res.append((obox[0], (obox[-1][0] // d, obox[-1][1] // d), (0, s[2]), (0, s[3])))
+            elif m == 1:
+                res.append((obox[0], obox[1], (0, s[2])))
+            elif m == 2:
+                res.append(obox)
+            else:
+                res.append(s)
+        return res
+    return rule
