@@ -23,20 +23,24 @@ from fusec.ir.schedule import InstrKind, Schedule
 
 def task_times(s: Schedule) -> dict[int, tuple[float, float]]:
     """Predicted (start, end) of every rank-0 task, replaying queues and waits (see above)."""
+    SIGNAL, WAIT = InstrKind.SIGNAL, InstrKind.WAIT
     signallers: dict[int, list[int]] = defaultdict(list)
-    for t in s.tasks:
-        for i in t.instrs:
-            if i.kind is InstrKind.SIGNAL and i.peer is None:
-                signallers[i.event].append(t.id)
     # an event signalled by peers (collectives) is ready when our own copy of the signalling
     # family is: ranks run the same schedule
     peer_sig: dict[int, list[int]] = defaultdict(list)
+    waits: list[list[int]] = []          # per task (by position): the events it waits on (threshold > 0)
     for t in s.tasks:
+        mine = []
         for i in t.instrs:
-            if i.kind is InstrKind.SIGNAL and i.peer is not None:
-                peer_sig[i.event].append(t.id)
+            kind = i.kind
+            if kind is SIGNAL:
+                (signallers if i.peer is None else peer_sig)[i.event].append(t.id)
+            elif kind is WAIT and i.threshold:
+                mine.append(i.event)
+        waits.append(mine)
     # per event: how many of its signalling tasks have finished, and the latest finish
     src_of = {e: (signallers.get(e) or peer_sig.get(e, [])) for e in set(signallers) | set(peer_sig)}
+    need = {e: len(src) for e, src in src_of.items()}
     feeds: dict[int, list[int]] = defaultdict(list)
     for e, src in src_of.items():
         for x in src:
@@ -47,20 +51,21 @@ def task_times(s: Schedule) -> dict[int, tuple[float, float]]:
     pos = {k: 0 for k in s.queues}
     free = {k: 0.0 for k in s.queues}
     remaining = sum(len(q) for q in s.queues.values())
+    tasks = s.tasks
     while remaining:
         progressed = False
         for k, q in s.queues.items():
-            while pos[k] < len(q):
-                t = s.tasks[q[pos[k]]]
+            p, n = pos[k], len(q)
+            while p < n:
+                tid = q[p]
+                t = tasks[tid]
                 ready = free[k]
                 ok = True
-                for i in t.instrs:
-                    if i.kind is not InstrKind.WAIT or not i.threshold:
-                        continue
-                    if done_n[i.event] < len(src_of.get(i.event, ())):
+                for e in waits[tid]:
+                    if done_n[e] < need.get(e, 0):
                         ok = False
                         break
-                    ready = max(ready, done_at[i.event])
+                    ready = max(ready, done_at[e])
                 if not ok:
                     break
                 end = ready + t.cost_us
@@ -69,9 +74,10 @@ def task_times(s: Schedule) -> dict[int, tuple[float, float]]:
                     done_n[e] += 1
                     done_at[e] = max(done_at[e], end)
                 free[k] = end
-                pos[k] += 1
+                p += 1
                 remaining -= 1
                 progressed = True
+            pos[k] = p
         if not progressed:
             raise ValueError("trace: the queues deadlock (a wait's signallers never run)")
     return out

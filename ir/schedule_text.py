@@ -56,7 +56,14 @@ class ScheduleSyntaxError(ValueError):
 
 # -- printer -------------------------------------------------------------------------------------
 def _box(box) -> str:
-    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
+    n = len(box)           # the common ranks unpacked: ~10^6 boxes are printed for a full K3
+    if n == 2:
+        (a, b), (c, d) = box
+        return f"[{a}:{b}, {c}:{d}]"
+    if n == 3:
+        (a, b), (c, d), (e, f) = box
+        return f"[{a}:{b}, {c}:{d}, {e}:{f}]"
+    return "[" + ", ".join([f"{lo}:{hi}" for lo, hi in box]) + "]"
 
 
 def format_region(r: Region) -> str:
@@ -65,12 +72,13 @@ def format_region(r: Region) -> str:
 
 
 def format_instr(i: Instr) -> str:
-    peer = f" peer {i.peer}" if i.peer is not None else ""
-    if i.kind is InstrKind.LOAD:
+    kind = i.kind
+    if kind is InstrKind.LOAD:
         addr = f" addressed_by %{i.addressed_by}" if i.addressed_by else ""
         return f"load {format_region(i.region)}{addr}"
-    if i.kind is InstrKind.STORE:
+    if kind is InstrKind.STORE:
         return f"store {format_region(i.region)}"
+    peer = f" peer {i.peer}" if i.peer is not None else ""
     if i.kind is InstrKind.WAIT:
         return f"wait e{i.event} >= {i.threshold} {i.sem.value} {i.scope.value}{peer}"
     if i.kind is InstrKind.SIGNAL:
@@ -96,12 +104,24 @@ def print_schedule(s: Schedule) -> str:
         out.append(f"  buffer %{name} : {ty.kind.value} {ty.dtype.value}[{shape}]")
     for e in s.events:
         out.append(f"  event {e.id} rank {e.rank} {json.dumps(e.name)} per_step {e.per_step}")
+    # Instructions and op lists are shared between the tasks of a family (a full K3 schedule has
+    # ~9 * 10^5 instruction lines, ~3.4 * 10^5 distinct instructions): each is formatted once,
+    # keyed by identity (every one stays alive in `s` meanwhile).
+    lines: dict[int, str] = {}
+    ops_text: dict[int, tuple] = {}
+    append = out.append
     for t in s.tasks:
-        ops = ", ".join(f"%{o}" for o in t.ops)
-        out.append(f"  task {t.id} rank {t.rank} sm {t.sm} {t.body_kind} ops({ops}) tile {_box(t.tile)} "
-                   f"cost {_cost(t.cost_us)} {{")
-        out.extend(f"    {format_instr(i)}" for i in t.instrs)
-        out.append("  }")
+        got = ops_text.get(id(t.ops))
+        if got is None or got[0] is not t.ops:
+            got = ops_text[id(t.ops)] = (t.ops, ", ".join(f"%{o}" for o in t.ops))
+        append(f"  task {t.id} rank {t.rank} sm {t.sm} {t.body_kind} ops({got[1]}) tile {_box(t.tile)} "
+               f"cost {_cost(t.cost_us)} {{")
+        for i in t.instrs:
+            line = lines.get(id(i))
+            if line is None:
+                line = lines[id(i)] = f"    {format_instr(i)}"
+            append(line)
+        append("  }")
     for (rank, sm), ids in sorted(s.queues.items()):
         out.append(f"  queue {rank} {sm} :" + "".join(f" {i}" for i in ids))
     out.append("}")
