@@ -23,7 +23,7 @@ import torch
 from cute_table_interp import Deadlock, interp_on_arena
 from fusec.backends.cute.lower import LoweringError, lower_schedule, unsupported_ops
 from fusec.backends.cute.memory import ALIGN
-from fusec.backends.cute.plan import NO_EVENT, ExpertMode, Opcode
+from fusec.backends.cute.plan import NO_EVENT, EwOp, ExpertMode, Opcode
 from fusec.compiler import lower_for_cute
 from fusec.backends.reference.executor import init_state, run_step
 from fusec.backends.reference.ranks import materialize_weights
@@ -208,6 +208,33 @@ def test_k3_tiny_bf16_experts_grouped_rows_match_reference(batch):
     # whole matrix; 1.3e-3 at B=4, none of it from the experts). A wrong expert, slot or row
     # mapping moves the logits by far more than 5e-3.
     assert max(errs) < 5e-3 and same, errs
+
+
+def test_k3_combine_split_over_columns_matches(monkeypatch):
+    """Above cost.PROLOGUE_MAX_BYTES the LatentMoE combine is not folded into every latent-GEMV
+    tile but runs as its own family cut along the columns (Trait.columnwise): EW WSUM rows whose
+    column ranges tile the latent width, and the table still computes the reference bit for bit.
+    (K3 tiny's combine is small: the threshold and the elements per elementwise task are lowered
+    to force the split into several tasks.)"""
+    import fusec.passes._lowering as lowering
+    import fusec.passes.fuse as fuse
+    g = kimi_k3.build_graph("tiny")
+    _, low = lower_for_cute(g, 4, L)            # default: folded, every row sums the whole width
+    folded = [r for r in low.rows if r.opcode == Opcode.EW and r.sub == EwOp.WSUM]
+    assert folded and all(r.n0 == 0 for r in folded)
+    monkeypatch.setattr(fuse, "PROLOGUE_MAX_BYTES", 0)
+    monkeypatch.setattr(lowering, "EW_TASK_ELEMENTS", 128)
+    prog, low = lower_for_cute(g, 4, L)
+    by_out = collections.defaultdict(list)
+    for r in low.rows:
+        if r.opcode == Opcode.EW and r.sub == EwOp.WSUM:
+            by_out[r.a2].append((r.n0, r.n1))
+    assert by_out and all(len(v) > 1 for v in by_out.values()), by_out
+    for spans in by_out.values():                 # the column ranges tile the width, once each
+        spans.sort()
+        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    errs, same = _interp_run(g, prog, low, steps=4, seed=3, module=kimi_k3)
+    assert max(errs) == 0.0 and same, errs
 
 
 def test_k3_split_sequence_mla_lowers_and_matches():
