@@ -36,16 +36,26 @@ T6  a prefetch range lies in one static weight (a weight-kind region no row writ
 `check_plan(lowered, plan, base)` raises `TableVerifyError` (one line naming the rule, the task,
 the CTA and the row) on the first table that breaks a rule; `verify_table` returns every
 violation. It runs on every `Lowered.plan()`, i.e. whenever the backend lowers.
+
+Byte ranges are kept symbolic (byte_sets.py): a box or operand over many rows at a few columns
+is one strided run, stored as bands of rows with the same columns, so a conservative box
+(every row of a 163840-row embedding table, at one column task's slice) costs what one range
+does; an EXPERT row's one operand per (batch row, slot) pair is checked as one group. Set
+operations are exact, and messages name the same first range and range count as a list of
+merged ranges would. benchmarks/table_verify_speed.py times it on slice4 lowerings.
 """
 from __future__ import annotations
 
 import bisect
+import gc
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from fusec.ir.schedule import InstrKind, Schedule
 from fusec.ir.types import DType, Kind
 
+from .byte_sets import (INTER, MINUS, UNION, ByteSpace, Operand, bands_op, count_ranges, highest, left, meets,
+                        merged, set_op, union_all)
 from .memory import MemoryPlan, itemsize
 from .plan import NO_EVENT, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, Word
 
@@ -69,38 +79,8 @@ class TableViolation:
         return f"{self.rule}: {where}: {self.message}"
 
 
-# -- byte ranges -----------------------------------------------------------------------------------
-def _merge(iv):
-    """Sorted, disjoint, non-empty [start, end) ranges covering the same bytes."""
-    out = []
-    for a, b in sorted(x for x in iv if x[1] > x[0]):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1][1] = b
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _minus(a, b):
-    """Merged ranges `a` without merged ranges `b`."""
-    out, j = [], 0
-    for s, e in a:
-        while j < len(b) and b[j][1] <= s:
-            j += 1
-        k, cur = j, s
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > cur:
-                out.append((cur, b[k][0]))
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < e:
-            out.append((cur, e))
-    return out
-
-
 def _strided(off: int, es: int, shape, strides, box) -> list:
-    """Byte ranges of the elements `box` (per dim [lo, hi)) of a strided view at byte `off`."""
+    """Pieces of the elements `box` (per dim [lo, hi)) of a strided view at byte `off`."""
     box = [tuple(x) for x in box]
     if any(hi <= lo for lo, hi in box):
         return []
@@ -116,25 +96,34 @@ def _strided(off: int, es: int, shape, strides, box) -> list:
         while k > 0 and box[k] == (0, shape[k]) and strides[k - 1] == shape[k] * strides[k]:
             k -= 1
         run, first = (box[k][1] - box[k][0]) * strides[k], box[k][0] * strides[k]
+    if k == 0:
+        return [(off + first * es, off + (first + run) * es)]
     starts = [0]
-    for d in range(k):
+    for d in range(k - 1):                        # outer dims listed; the one inside them a run
         lo, hi = box[d]
         starts = [x + i * strides[d] for x in starts for i in range(lo, hi)]
-    return [(off + (x + first) * es, off + (x + first + run) * es) for x in starts]
+    lo, hi = box[k - 1]
+    first += lo * strides[k - 1]
+    return [(off + (x + first) * es, strides[k - 1] * es, hi - lo, run * es) for x in starts]
 
 
 def _rows(addr, es, rows, ld, c0, c1) -> list:
-    """Columns c0..c1 of the given rows of a [*, ld] matrix at byte `addr`."""
-    if c1 <= c0:
+    """Columns c0..c1 of the given rows of a [*, ld] matrix at byte `addr` (a run for a range)."""
+    if c1 <= c0 or not len(rows):
         return []
+    if isinstance(rows, range) and rows.step == 1 and len(rows) > 1:
+        return [(addr + (rows.start * ld + c0) * es, ld * es, len(rows), (c1 - c0) * es)]
     return [(addr + (r * ld + c0) * es, addr + (r * ld + c1) * es) for r in rows]
 
 
-# -- decoding the table ----------------------------------------------------------------------------
-class _Arena:
-    """The memory plan as byte ranges: which region holds an offset, which regions are static."""
+# -- the arena -------------------------------------------------------------------------------------
+class _Arena(ByteSpace):
+    """The memory plan as byte sets' space (each region's rows: its last dim): which region
+    holds an offset, which regions are static, constants, step inputs."""
 
     def __init__(self, mem: MemoryPlan, schedule: Schedule):
+        super().__init__(mem.regions.values(),
+                         lambda r: r.shape[-1] * itemsize(r.dtype) if len(r.shape) >= 2 else r.nbytes)
         self.mem = mem
         self.regs = sorted(mem.regions.values(), key=lambda r: r.offset)
         self.starts = [r.offset for r in self.regs]
@@ -145,25 +134,13 @@ class _Arena:
         # lowering constants: weight-kind regions no graph value lives in
         self.consts = {r.name for r in self.regs if r.kind is Kind.weight and r.name not in graph_regions}
         self.inputs = {mem.view(v.name).region for v in g.params if v.kind is Kind.io and v.name in mem.views}
+        self.static_segs = {k for k, r in enumerate(self.seg_region) if r is not None and r.kind is Kind.weight}
+        self.const_segs = {k for k, r in enumerate(self.seg_region) if r is not None and r.name in self.consts}
 
     def region_at(self, off: int):
         i = bisect.bisect_right(self.starts, off) - 1
         r = self.regs[i] if i >= 0 else None
         return r if r is not None and off < r.offset + r.nbytes else None
-
-    def names(self, iv) -> set:
-        out = set()
-        for a, b in iv:
-            i = max(0, bisect.bisect_right(self.starts, a) - 1)
-            while i < len(self.regs) and self.regs[i].offset < b:
-                r = self.regs[i]
-                if r.offset + r.nbytes > a:
-                    out.add(r.name)
-                i += 1
-        return out
-
-    def const_ranges(self):
-        return _merge([(r.offset, r.offset + r.nbytes) for r in self.regs if r.name in self.consts])
 
 
 def _f32(flag: int, bit) -> int:
@@ -171,12 +148,24 @@ def _f32(flag: int, bit) -> int:
 
 
 class _Static(list):
-    """The byte ranges of an operand that must be a static weight or lowering table."""
+    """The pieces of an operand that must be a static weight or lowering table."""
+
+
+class _Group:
+    """Operands of one row, `members()` in order, that the check takes as one, `whole` (the
+    pieces of their union): where the union breaks no rule none of them does, and where it
+    does the members are checked one by one, so that each message names the operand it did
+    before (an EXPERT row has one operand per (batch row, slot) pair: 128 at batch 16)."""
+
+    __slots__ = ("whole", "members")
+
+    def __init__(self, whole, members):
+        self.whole, self.members = whole, members
 
 
 def footprint(w, B: int, base: int, arena: _Arena, consts: dict) -> tuple[list, list]:
-    """(operands read, operands written) of one row `w` (ROW_WORDS ints): per operand its byte
-    ranges as arena offsets (`_Static` for weights and tables). Stated from plan.py's opcode
+    """(operands read, operands written) of one row `w` (ROW_WORDS ints): per operand its pieces
+    (byte ranges and strided runs, arena offsets; `_Static` for weights and tables). Stated from plan.py's opcode
     docstrings; run-time picks (expert ids, token ids, cache positions) are covered over all the
     values they can take, counted from the operand's region."""
     op = w[Word.OPCODE]
@@ -218,17 +207,20 @@ def footprint(w, B: int, base: int, arena: _Arena, consts: dict) -> tuple[list, 
             rb = K // 2 if mx else K * 2
             reg = arena.region_at(at(wi))       # the experts: as many as the weight holds
             E = reg.nbytes // (rows_e * rb) if reg is not None and rows_e else 0
-            RS([(at(wi) + (e * rows_e + n0) * rb, at(wi) + (e * rows_e + n1) * rb) for e in range(E)] or [(-1, 0)])
+            RS([(at(wi) + n0 * rb, rows_e * rb, E, (n1 - n0) * rb)] if E > 0 else [(-1, 0)])
             if mx:
                 sb = K // 32
-                RS([(at(si) + (e * rows_e + n0) * sb, at(si) + (e * rows_e + n1) * sb) for e in range(E)] or [(-1, 0)])
-        for b in range(b0, b1):
-            if glu:
-                R.append(_rows(at(1), 2, [b], ldx, 0, K))
-            for s in range(s0, s1):
-                if not glu:
-                    R.append(_rows(at(1), 2, [b], ldx, s * K, (s + 1) * K))
-                Wr.append(_rows(at(2), 2 if glu else 4, [b], ldy, s * rows_e + n0, s * rows_e + n1))
+                RS([(at(si) + n0 * sb, rows_e * sb, E, (n1 - n0) * sb)] if E > 0 else [(-1, 0)])
+        # one operand per batch row (GLU) or (batch row, slot) pair, taken as one group: per slot
+        # a run over the batch rows
+        bs, ss, eo = range(b0, b1), range(s0, s1), 2 if glu else 4
+        if glu:
+            R.append(_Group(_rows(at(1), 2, bs, ldx, 0, K), lambda: [_rows(at(1), 2, [b], ldx, 0, K) for b in bs]))
+        else:
+            R.append(_Group([p for s in ss for p in _rows(at(1), 2, bs, ldx, s * K, (s + 1) * K)],
+                            lambda: [_rows(at(1), 2, [b], ldx, s * K, (s + 1) * K) for b in bs for s in ss]))
+        Wr.append(_Group([p for s in ss for p in _rows(at(2), eo, bs, ldy, s * rows_e + n0, s * rows_e + n1)],
+                         lambda: [_rows(at(2), eo, [b], ldy, s * rows_e + n0, s * rows_e + n1) for b in bs for s in ss]))
     elif op == Opcode.EW:
         _ew(w, at, B, arena, R, Wr, RS)
     elif op == Opcode.ROUTER:
@@ -366,32 +358,31 @@ def _ew(w, at, B, arena, R, Wr, RS) -> None:
 VIEW_OPS = ("slice", "reshape")
 
 
-def _task_bytes(s: Schedule, mem: MemoryPlan):
-    """Per task: (LOAD bytes, STORE bytes, STORE bytes its rows must write, LOAD bytes per tensor)
-    through the memory plan. A STORE of a view (slice, reshape) whose bytes the task loads is
-    already in place."""
+def _task_bytes(s: Schedule, mem: MemoryPlan, arena: _Arena):
+    """Per task: (LOAD bytes, STORE bytes, STORE bytes its rows must write) through the memory
+    plan, as byte sets. A STORE of a view (slice, reshape) whose bytes the task loads is already
+    in place."""
     g = s.graph
     mx = {v.name for v in g.params if v.type.dtype is DType.mxfp4}
     views = {o.outputs[0].name for o in g.ops if o.opname in VIEW_OPS}
     out = {}
     cache: dict = {}
     for t in s.tasks:
-        ld, st, must, wl = [], [], [], defaultdict(list)
+        ld, st, must = [], [], []
         for i in t.instrs:
             if i.kind not in (InstrKind.LOAD, InstrKind.STORE) or i.region.rank not in (None, t.rank):
                 continue
             key = (i.region.tensor, i.region.box)
             iv = cache.get(key)
             if iv is None:
-                iv = cache[key] = _region_bytes(mem, i.region.tensor, i.region.box, i.region.tensor in mx)
-            (ld if i.kind is InstrKind.LOAD else st).extend(iv)
-            if i.kind is InstrKind.LOAD:
-                wl[i.region.tensor].extend(iv)
-            elif i.region.tensor not in views:
-                must.extend(iv)
-        ld = _merge(ld)
-        view_st = _minus(_merge(st), _merge(must))
-        out[t.id] = (ld, _merge(st), _merge(must + _minus(view_st, ld)), {k: _merge(v) for k, v in wl.items()})
+                iv = cache[key] = arena.bytes_of(_region_bytes(mem, i.region.tensor, i.region.box,
+                                                               i.region.tensor in mx))
+            (ld if i.kind is InstrKind.LOAD else st).append(iv)
+            if i.kind is InstrKind.STORE and i.region.tensor not in views:
+                must.append(iv)
+        ld, st, must = union_all(ld), union_all(st), union_all(must)
+        view_st = set_op(st, must, MINUS)
+        out[t.id] = (ld, st, union_all([must, set_op(view_st, ld, MINUS)]))
     return out
 
 
@@ -414,6 +405,20 @@ def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events:
                  consts: dict, base: int = 0) -> list[TableViolation]:
     """Every violation of T1-T6 by the packed table `words` (rows in queue order) with CTA
     queue `bounds` ([start, end) per CTA)."""
+    # The check builds millions of small tuples and keeps many of them (the operand cache): the
+    # cyclic collector would walk them all again and again (on slice4 it took 3/4 of the time).
+    # Reference counting frees what the check drops; the collector, back on after it, sees to
+    # anything else.
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        return _verify(schedule, mem, words, bounds, batch, consts, base)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _verify(schedule: Schedule, mem: MemoryPlan, words, bounds, batch: int, consts: dict, base: int):
     out: list[TableViolation] = []
     s = schedule
     B = int(s.dims["B"])
@@ -453,11 +458,10 @@ def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events:
         return out
     # -- per row: decode -------------------------------------------------------------------------
     arena = _Arena(mem, s)
-    sched = _task_bytes(s, mem)
+    sched = _task_bytes(s, mem, arena)
     per_step = {e.id: e.per_step for e in s.events if e.rank == 0}
-    consts_iv = arena.const_ranges()
-    static = _merge([(r.offset, r.offset + r.nbytes) for r in arena.regs if r.kind is Kind.weight])
-    foot, ops = {}, {}
+    static = arena.static_segs          # weight regions, whole: a byte set's segments say it
+    ops = {}
     for r, w in enumerate(words):
         try:
             rd, wr = footprint(w, B, base, arena, consts)
@@ -465,27 +469,16 @@ def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events:
             rd, wr = [[(-1, 0)]], []
             out.append(TableViolation("T5", w[Word.TASK_ID], f"row cannot be decoded ({type(e).__name__}: {e})",
                                       None, r))
-        ops[r] = ([(_merge(x), isinstance(x, _Static)) for x in rd], [_merge(x) for x in wr])
-        foot[r] = (_merge([x for o in rd for x in o]), _merge([x for o in wr for x in o]))
-    touched: list[tuple[int, int, int]] = []        # (start, end, task): rows' and lines' bytes
-    for t in s.tasks:
-        ld, st, _, _ = sched[t.id]
-        iv = list(ld) + list(st)
-        for r in rows_of[t.id]:
-            iv += foot[r][0] + foot[r][1]
-        touched += [(a, b, t.id) for a, b in _merge(iv)]
-    touched.sort()
-    starts = [a for a, _, _ in touched]
-    ends_max = []
-    m = -1
-    for _, b, _ in touched:
-        m = max(m, b)
-        ends_max.append(m)
-    written_anywhere = _merge([x for r in foot for x in foot[r][1]])
+        # per operand: its bytes (a group's: their union), whether it must be static, its group
+        ops[r] = ([(arena.operand(x.whole), False, x) if isinstance(x, _Group) else
+                   (arena.operand(x), isinstance(x, _Static), None) for x in rd],
+                  [(arena.operand(x.whole), x) if isinstance(x, _Group) else (arena.operand(x), None) for x in wr])
+    touched = _Touched(s.tasks, sched, rows_of, ops)
+    written_anywhere = None             # built for the first prefetch (T6)
     for t in s.tasks:
         rows = rows_of[t.id]
         c = cta_of[t.id]
-        ld, st, must, wl = sched[t.id]
+        ld, st, must = sched[t.id]
         # -- T2: waits ---------------------------------------------------------------------------
         want = Counter()
         for i in t.instrs:
@@ -499,8 +492,9 @@ def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events:
             if w[Word.WAIT_EVENT] != NO_EVENT:
                 got[(w[Word.WAIT_EVENT], w[Word.WAIT_PER_STEP], w[Word.WAIT_OFFSET])] += 1
                 last_wait = k
-            rd, wr = foot[r]
-            if first_touch is None and (_minus(rd, static) or wr):
+            rd, wr = ops[r]
+            if first_touch is None and (any(seg not in static for o, _, _ in rd for seg in o.bytes)
+                                        or any(o.bytes for o, _ in wr)):
                 first_touch = k
         if got != want:
             miss, extra = want - got, got - want
@@ -519,7 +513,7 @@ def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events:
             if e != NO_EVENT:
                 got_s[e] += 1
                 first_sig = k if first_sig is None else first_sig
-            if foot[r][1]:
+            if any(o.bytes for o, _ in ops[r][1]):
                 last_write = k
         if got_s != want_s:
             out.append(TableViolation("T3", t.id, f"the rows signal {_evs(got_s)}, the schedule's task {_evs(want_s)}", c))
@@ -527,43 +521,74 @@ def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events:
             out.append(TableViolation("T3", t.id, f"row {rows[first_sig]} signals e{words[rows[first_sig]][Word.SIGNAL_EVENT]} "
                                                   f"before row {rows[last_write]} stores", c, rows[first_sig]))
         # -- T4 / T5: bytes, operand by operand ---------------------------------------------------
-        written, read_all = [], []
+        written: dict = {}                  # what the task's rows before this one wrote
+        data = {k: v for k, v in ld.items() if k not in static}       # loaded bytes that are no weight
+        read = []
         for r in rows:
             rd_ops, wr_ops = ops[r]
-            before = _merge(written)
-            for iv, must_static in rd_ops:
-                if not iv:
-                    continue
-                names = arena.names(iv) if iv[0][0] >= 0 else set()
-                bad = _minus(_minus(_minus(iv, ld), before), consts_iv)
+
+            def read_rule(o, must_static):
+                iv, names = o.bytes, o.names
                 if len(names) != 1:
-                    out.append(TableViolation("T5", t.id, f"an operand read spans {_regions(arena, iv, names)}: "
-                                                          f"one operand is one tensor", c, r))
-                elif must_static and arena.kind.get(next(iter(names))) is not Kind.weight:
-                    out.append(TableViolation("T5", t.id, f"reads {_where(arena, iv)} as a weight or table, but "
-                                                          f"it is {arena.kind[next(iter(names))].value} data", c, r))
-                elif bad:
-                    out.append(TableViolation("T5", t.id, f"reads {_where(arena, bad)}, which none of the task's "
-                                                          f"LOADs (nor an earlier row of it) covers", c, r))
-                read_all += iv
-            for iv in wr_ops:
-                if not iv:
-                    continue
-                names = arena.names(iv) if iv[0][0] >= 0 else set()
-                private = _minus(iv, st)
-                other = _others(touched, starts, ends_max, private, t.id)
+                    return TableViolation("T5", t.id, f"an operand read spans {_regions(arena, o)}: one operand is "
+                                                      f"one tensor", c, r)
+                if must_static and arena.kind.get(next(iter(names))) is not Kind.weight:
+                    return TableViolation("T5", t.id, f"reads {_where(arena, iv)} as a weight or table, but it is "
+                                                      f"{arena.kind[next(iter(names))].value} data", c, r)
+                if left(iv, (ld, written), arena.const_segs):
+                    bad = {k: v for k, v in set_op(set_op(iv, ld, MINUS), written, MINUS).items()
+                           if k not in arena.const_segs}
+                    return TableViolation("T5", t.id, f"reads {_where(arena, bad)}, which none of the task's LOADs "
+                                                      f"(nor an earlier row of it) covers", c, r)
+                return None
+
+            def write_rule(o):
+                iv, names = o.bytes, o.names
                 if len(names) != 1:
-                    out.append(TableViolation("T4", t.id, f"an operand write spans {_regions(arena, iv, names)}: "
-                                                          f"one operand is one tensor", c, r))
-                elif names & (arena.consts | arena.inputs) or arena.kind.get(next(iter(names))) is Kind.weight:
-                    out.append(TableViolation("T4", t.id, f"writes {_where(arena, iv)}, a weight, constant or "
-                                                          f"step input", c, r))
-                elif other:
-                    tid, x = other
-                    out.append(TableViolation("T4", t.id, f"writes {_where(arena, [x])} outside its STOREs, bytes "
-                                                          f"task {tid} also uses", c, r))
-                written += iv
-        unwritten = _minus(must, _merge(written))
+                    return TableViolation("T4", t.id, f"an operand write spans {_regions(arena, o)}: one operand is "
+                                                      f"one tensor", c, r)
+                if names & (arena.consts | arena.inputs) or arena.kind.get(next(iter(names))) is Kind.weight:
+                    return TableViolation("T4", t.id, f"writes {_where(arena, iv)}, a weight, constant or step "
+                                                      f"input", c, r)
+                if left(iv, (st,), ()):
+                    other = _others(arena, touched, set_op(iv, st, MINUS), t.id)
+                    if other:
+                        tid, (a, b) = other
+                        return TableViolation("T4", t.id, f"writes {_where_range(arena, a, b)} outside its STOREs, "
+                                                          f"bytes task {tid} also uses", c, r)
+                return None
+
+            for o, must_static, group in rd_ops:
+                if not o.bytes:
+                    continue
+                v = read_rule(o, must_static)
+                if v is not None and group is not None:     # which of the group's operands
+                    for m in group.members():
+                        m = arena.operand(m)
+                        v = read_rule(m, must_static) if m.bytes else None
+                        if v is not None:
+                            out.append(v)
+                elif v is not None:
+                    out.append(v)
+                if data and not data.keys().isdisjoint(o.bytes):
+                    read.append(o.bytes)
+            row_writes = []
+            for o, group in wr_ops:
+                if not o.bytes:
+                    continue
+                v = write_rule(o)
+                if v is not None and group is not None:
+                    for m in group.members():
+                        m = arena.operand(m)
+                        v = write_rule(m) if m.bytes else None
+                        if v is not None:
+                            out.append(v)
+                elif v is not None:
+                    out.append(v)
+                row_writes.append(o.bytes)
+            if row_writes:
+                written = union_all([written] + row_writes)
+        unwritten = set_op(must, written, MINUS)
         if unwritten:
             out.append(TableViolation("T4", t.id, f"the rows never write {_where(arena, unwritten)} of the task's "
                                                   f"STOREs", c))
@@ -571,7 +596,7 @@ def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events:
         # loaded tensor leaves some unread), except a view's bytes the task stores as they are.
         # Weights are left out: the tile pass may load more of a weight than a body reads (a
         # per-head vector whole, an MLA head's key rows next to the value rows it reads)
-        unread = _minus(_minus(_minus(ld, _merge(read_all)), _minus(st, must)), static)
+        unread = set_op(set_op(data, union_all(read), MINUS), set_op(st, must, MINUS), MINUS) if data else data
         if unread:
             out.append(TableViolation("T5", t.id, f"the rows never read {_where(arena, unread)} of the task's "
                                                   f"LOADs", c))
@@ -581,40 +606,86 @@ def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events:
             nb = w[Word.PF_BYTES]
             if not nb:
                 continue
+            if written_anywhere is None:
+                written_anywhere = union_all([o.bytes for r2 in ops for o, _ in ops[r2][1]])
             a0 = w[Word.PF_ADDR] - base
-            iv = [(a0, a0 + nb)]
+            iv = arena.bytes_of([(a0, a0 + nb)])
             reg = arena.region_at(a0)
             if reg is None or a0 + nb > reg.offset + reg.nbytes or reg.kind is not Kind.weight \
-                    or _overlap(iv, written_anywhere):
+                    or meets(iv, written_anywhere):
                 what = "no region" if reg is None else f"'{reg.name}' ({reg.kind.value})"
                 out.append(TableViolation("T6", t.id, f"prefetches {nb} bytes at arena offset {a0} in {what}: only "
                                                       f"static weights may be prefetched across a wait", c, r))
-            elif _minus(iv, _merge([x for v in wl.values() for x in v])):
+            elif set_op(iv, ld, MINUS):       # the task's LOADs of that weight: its LOADs there
                 out.append(TableViolation("T6", t.id, f"prefetches {_where(arena, iv)}, outside the task's LOADs of "
                                                       f"'{reg.name}'", c, r))
     return out
 
 
-def _overlap(a, b) -> bool:
-    return bool(_minus(a, _minus(a, b)))
+class _Touched:
+    """The bytes each task touches (its LOADs, STOREs and its rows' operands): per segment the
+    tasks that touch it, and, built for a segment when first asked, the bytes of it that two or
+    more tasks touch. A task's private write (outside its STOREs) may not meet those: its own
+    bytes are the write's, so another task's bytes there are bytes two tasks touch."""
+
+    def __init__(self, tasks, sched, rows_of, ops):
+        self.sets: dict = {}
+        self.seg_tasks: dict = defaultdict(list)
+        for t in tasks:
+            ld, st, _ = sched[t.id]
+            sets = [ld, st] + [o.bytes for r in rows_of[t.id] for o, _ in ops[r][1]] \
+                + [o.bytes for r in rows_of[t.id] for o, _, _ in ops[r][0]]
+            self.sets[t.id] = sets
+            for k in set().union(*sets):
+                self.seg_tasks[k].append(t.id)
+        self._shared: dict = {}
+        self._task: dict = {}
+
+    def task(self, u) -> dict:
+        got = self._task.get(u)
+        if got is None:
+            got = self._task[u] = union_all(self.sets[u])
+        return got
+
+    def shared(self, k) -> list:
+        """The bands of segment k that two or more tasks touch."""
+        got = self._shared.get(k)
+        if got is None:
+            acc, got = [], []
+            for u in self.seg_tasks[k]:
+                mine = union_all([{k: S[k]} for S in self.sets[u] if k in S]).get(k, [])
+                got = bands_op(got, bands_op(mine, acc, INTER), UNION)
+                acc = bands_op(acc, mine, UNION)
+            self._shared[k] = got
+        return got
 
 
-def _others(touched, starts, ends_max, private, tid):
-    """(task, range) of some other task touching a byte of `private`, or None."""
-    for a, b in private:
-        i = bisect.bisect_left(starts, b) - 1
-        while i >= 0 and ends_max[i] > a:
-            s, e, u = touched[i]
-            if u != tid and s < b and a < e:
-                return u, (max(a, s), min(b, e))
-            i -= 1
+def _others(arena: _Arena, touched: _Touched, private: dict, tid):
+    """(task, range) of some other task touching a byte of `private`, or None: the first merged
+    range of `private` that another task's bytes meet, and of those tasks' merged ranges meeting
+    it the last in (start, end, task) order, cut to it."""
+    if not any(bands_op(bands, touched.shared(k), INTER) for k, bands in private.items()):
+        return None
+    hit = [u for u in sorted({u for k in private for u in touched.seg_tasks[k] if u != tid})
+           if meets(private, touched.task(u))]
+    for a, b in merged(arena, private):
+        best = None
+        for u in hit:
+            for s, e in merged(arena, touched.task(u), lo=a):
+                if s >= b:
+                    break
+                if e > a and (best is None or (s, e, u) > best):
+                    best = (s, e, u)
+        if best is not None:
+            s, e, u = best
+            return u, (max(a, s), min(b, e))
     return None
 
 
-def _regions(arena: _Arena, iv, names) -> str:
-    if not names:
-        return f"bytes [{iv[0][0]}, {iv[-1][1]}) outside every region of the arena"
-    return "regions " + ", ".join(f"'{n}'" for n in sorted(names))
+def _regions(arena: _Arena, o: Operand) -> str:
+    if not o.names:
+        return f"bytes [{o.lo}, {highest(arena, o.bytes)}) outside every region of the arena"
+    return "regions " + ", ".join(f"'{n}'" for n in sorted(o.names))
 
 
 def _waits(c: Counter) -> str:
@@ -628,12 +699,17 @@ def _evs(c: Counter) -> str:
     return ", ".join(f"e{e}" + (f" x{k}" if k > 1 else "") for e, k in sorted(c.items())) or "nothing"
 
 
-def _where(arena: _Arena, iv) -> str:
-    a, b = iv[0]
+def _where(arena: _Arena, S: dict) -> str:
+    """The first byte range of byte set S, named in its region, and how many more there are."""
+    a, b = next(merged(arena, S))
+    return _where_range(arena, a, b, count_ranges(arena, S) - 1)
+
+
+def _where_range(arena: _Arena, a: int, b: int, more: int = 0) -> str:
     reg = arena.region_at(a) if a >= 0 else None
     if reg is None:
         return f"bytes [{a}, {b}) outside every region of the arena"
-    more = f" (+{len(iv) - 1} more ranges)" if len(iv) > 1 else ""
+    more = f" (+{more} more ranges)" if more else ""
     return f"'{reg.name}' bytes [{a - reg.offset}, {b - reg.offset}){more}"
 
 
