@@ -51,6 +51,7 @@ import gc
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
+from fusec.ir.registry import Trait
 from fusec.ir.schedule import InstrKind, Schedule
 from fusec.ir.types import DType, Kind
 
@@ -353,18 +354,14 @@ def _ew(w, at, B, arena, R, Wr, RS) -> None:
 
 
 # -- the check -------------------------------------------------------------------------------------
-# ops whose result is a view of their operand's bytes in the memory plan (memory.py): a task of
-# them stores nothing itself
-VIEW_OPS = ("slice", "reshape")
-
-
 def _task_bytes(s: Schedule, mem: MemoryPlan, arena: _Arena):
     """Per task: (LOAD bytes, STORE bytes, STORE bytes its rows must write) through the memory
     plan, as byte sets. A STORE of a view (slice, reshape) whose bytes the task loads is already
     in place."""
     g = s.graph
     mx = {v.name for v in g.params if v.type.dtype is DType.mxfp4}
-    views = {o.outputs[0].name for o in g.ops if o.opname in VIEW_OPS}
+    # results that are views of their operand's bytes (Trait.view; memory.py): stored by nobody
+    views = {o.outputs[0].name for o in g.ops if Trait.view in o.opdef.traits}
     out = {}
     cache: dict = {}
     for t in s.tasks:
