@@ -2,8 +2,9 @@
 
 A pass is a function `run(prog: Program) -> bool` (True when it changed something), registered
 with `@register_pass(name)` in its own module `passes/<name>.py`; its docstring states what it
-requires and ensures. After every pass the manager verifies the program (IR rules, and the
-memory-order rules once a schedule exists) and names the pass that broke a rule.
+requires and ensures. With `verify_each_pass` the manager verifies the program after every pass
+(IR rules, and the memory-order rules once a schedule exists) and checks the pass's "changed"
+claim against the printed graph and schedule, naming the pass that broke either.
 """
 from __future__ import annotations
 
@@ -107,6 +108,16 @@ def gc_paused():
             gc.enable()
 
 
+def _fingerprint(prog: Program) -> tuple[str, str]:
+    """The printed graph and schedule: what a pass's "changed" claim is about (notes are not)."""
+    from fusec.ir.printer import print_graph
+    sched = ""
+    if prog.schedule is not None:
+        from fusec.ir.schedule_text import print_schedule
+        sched = print_schedule(prog.schedule)
+    return print_graph(prog.graph), sched
+
+
 def run_pipeline(prog: Program, names: list[str], on_stage: Callable[[str, Program], None] | None = None) -> Program:
     with gc_paused():
         return _run_pipeline(prog, names, on_stage)
@@ -116,6 +127,7 @@ def _run_pipeline(prog: Program, names: list[str], on_stage) -> Program:
     timings = prog.notes.setdefault("pass_seconds", {})
     for name in names:
         fn = get_pass(name)
+        before = _fingerprint(prog) if prog.opts.verify_each_pass else None
         t = time.perf_counter()
         try:
             changed = fn(prog)
@@ -130,6 +142,11 @@ def _run_pipeline(prog: Program, names: list[str], on_stage) -> Program:
                 verify_program(prog)
             except ValueError as e:
                 raise PassError(f"after pass {name}: {e}") from None
+            # the pass's own claim is checked too: "no change" must leave the printed graph and
+            # schedule as they were, "changed" must have changed one of them
+            if (_fingerprint(prog) != before) != bool(changed):
+                raise PassError(f"pass {name} returned changed={bool(changed)}, but the printed graph and "
+                                f"schedule {'changed' if not changed else 'did not change'}")
         if on_stage is not None:
             on_stage(name, prog)
     return prog

@@ -275,3 +275,25 @@ def test_param_annotation_syntax():
     assert print_graph(g) == text
     with pytest.raises(FirSyntaxError, match=r"<string>:3:\d+: attribute 'ranks' given twice"):
         parse_fir(text.replace("ranks = 2}", "ranks = 2, ranks = 4}"))
+
+
+def test_pass_changed_claims_are_checked(monkeypatch):
+    """With verify_each_pass the manager holds each pass to its "changed" result: a pass that
+    edits the graph but says "no change", or says "changed" and edits nothing, is named."""
+    from fusec.models import kimi_k3
+    from fusec.passes import manager
+    from fusec.passes.manager import PassError, Program, run_pipeline
+
+    def rename_graph(prog):               # a real edit of the printed graph, reported as none
+        prog.graph.name += "_renamed"
+        return False
+
+    monkeypatch.setitem(manager.PASSES, "t_lies_unchanged", rename_graph)
+    monkeypatch.setitem(manager.PASSES, "t_lies_changed", lambda prog: True)
+    monkeypatch.setitem(manager.PASSES, "t_honest", lambda prog: False)
+    g = kimi_k3.build_graph("tiny")
+    run_pipeline(Program(g.copy(), Options(verify_each_pass=True)), ["t_honest"])
+    with pytest.raises(PassError, match="pass t_lies_changed returned changed=True, but .* did not change"):
+        run_pipeline(Program(g.copy(), Options(verify_each_pass=True)), ["t_lies_changed"])
+    with pytest.raises(PassError, match="pass t_lies_unchanged returned changed=False, but .* changed"):
+        run_pipeline(Program(g.copy(), Options(verify_each_pass=True)), ["t_lies_unchanged"])
