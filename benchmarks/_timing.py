@@ -26,3 +26,25 @@ def median_us(fn, reps: int, cuda: bool = True) -> float:
             fn()
             ts.append((time.perf_counter() - t0) * 1e6)
     return sorted(ts)[len(ts) // 2]
+
+
+def graph_step_us(rt, reps: int, steps: int = 10) -> float:
+    """Median microseconds per step of megakernel `rt` (backends/cute/runtime.Megakernel): a CUDA
+    graph of `steps` steps replayed `reps` times after one warm-up replay, CUDA events around each
+    replay, so host launch overhead is not counted; the kernel's bounded-wait error is raised."""
+    import statistics
+
+    import torch
+
+    g = rt.capture_graph(steps=steps)
+    g.replay()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / steps)
+    rt.check()
+    return statistics.median(ts)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 
 import torch
@@ -26,6 +25,8 @@ from fusec.backends.cute.plan import EwOp, KernelPlan, Opcode, round_robin_queue
 from fusec.backends.cute.runtime import Megakernel
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.registry import get_op
+
+from _timing import graph_step_us  # benchmarks/_timing.py (this script's folder)
 
 TOL = 2e-2
 BF, F32 = torch.bfloat16, torch.float32
@@ -42,18 +43,7 @@ def timed(rt: Megakernel, tasks, reps: int) -> float:
     of 10 steps, replayed `reps` times, so host launch overhead is not counted."""
     rt.set_tasks(dataclasses.replace(rt.plan, tasks=tuple(tasks),
                                      queues=round_robin_queues(len(tasks), rt.plan.num_ctas)))
-    g = rt.capture_graph(steps=10)
-    g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / 10)
-    rt.check()
-    return statistics.median(ts)
+    return graph_step_us(rt, reps)
 
 
 def bodies(batch: int, gen: torch.Generator, quick: bool, reps: int) -> None:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
-
 import torch
 
 from fusec.backends.cute.plan import KernelPlan, round_robin_queues
@@ -23,22 +21,9 @@ from fusec.backends.cute.runtime import Megakernel
 from fusec.ir.registry import get_op
 from fusec.testing import cute_workloads as wl
 
+from _timing import graph_step_us  # benchmarks/_timing.py (this script's folder)
+
 SMS, HEADS, LORA, ROPE, LEN = 132, 64, 512, 64, 4096
-
-
-def time_us(rt: Megakernel, reps: int) -> float:
-    g = rt.capture_graph(steps=10)
-    g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / 10)
-    rt.check()
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -71,7 +56,7 @@ def main() -> None:
             rt.step()
             rt.check()
             err = wl.rel_err(parts, p_ref)
-            us = time_us(rt, args.reps)
+            us = graph_step_us(rt, args.reps)
             rows.append((batch, chunks, v or "default", us, err))
             print(f"B={batch} chunks={chunks} {v or 'default'}: {us:.1f} us, rel err {err:.2e}", flush=True)
     print("\n| B | chunks | variant | MLA partial us | rel err |\n|---|---|---|---|---|")
