@@ -34,6 +34,9 @@ def _v(rule, task, message, region="", wait=""):
     return Violation(Rule(rule), task, region, wait, message)
 
 
+_NO = object()     # a default no value is
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -74,24 +77,38 @@ def structure(s: Schedule) -> list:
     LOAD, STORE, WAIT, SIGNAL, COMPUTE = (InstrKind.LOAD, InstrKind.STORE, InstrKind.WAIT, InstrKind.SIGNAL,
                                           InstrKind.COMPUTE)
     undeclared: dict[tuple[int, int], int] = {}
+    ops_ok: dict[int, tuple] = {}       # id -> ops tuple found well-formed (shared by a family's tasks)
     for t in s.tasks:
-        if not _is_int(t.rank) or t.rank not in ranks_ok:
+        rank, sm = t.rank, t.sm
+        # each check: a quick test of the exact types first, the full one only when it fails
+        if not (rank.__class__ is int and rank in ranks_ok) and (not _is_int(rank) or rank not in ranks_ok):
             out.append(_v("S3", t.id, f"task header names rank {t.rank}, outside " +
                           ("rank 0 (a replicated schedule stores rank 0's tasks)" if rep else f"ranks 0..{R - 1}")))
             continue
-        if not _is_int(t.sm) or not 0 <= t.sm < sms:
+        if not (sm.__class__ is int and 0 <= sm < sms) and (not _is_int(sm) or not 0 <= sm < sms):
             out.append(_v("S3", t.id, f"task header names sm {t.sm}, outside SMs 0..{sms - 1}"))
         tile, ops = t.tile, t.ops
-        if tile.__class__ is not tuple or not all(d.__class__ is tuple and len(d) == 2 and _is_int(d[0])
-                                                  and _is_int(d[1]) for d in tile):
+        box = tile.__class__ is tuple
+        for d in tile if box else ():
+            if d.__class__ is not tuple or len(d) != 2 or d[0].__class__ is not int or d[1].__class__ is not int:
+                box = False
+                break
+        if not box and (tile.__class__ is not tuple or not all(d.__class__ is tuple and len(d) == 2 and _is_int(d[0])
+                                                               and _is_int(d[1]) for d in tile)):
             out.append(_v("S1", t.id, f"task tile {tile!r} is not a box [lo:hi, ...]"))
-        if ops.__class__ is not tuple or not all(o.__class__ is str for o in ops):
-            out.append(_v("S1", t.id, f"task ops {ops!r} is not a list of value names"))
+        if ops_ok.get(id(ops), _NO) is not ops:
+            if ops.__class__ is not tuple or not all(o.__class__ is str for o in ops):
+                out.append(_v("S1", t.id, f"task ops {ops!r} is not a list of value names"))
+            else:
+                ops_ok[id(ops)] = ops
         if not isinstance(t.instrs, list):
             out.append(_v("S1", t.id, "task body is not a list of instructions"))
             continue
         for k, i in enumerate(t.instrs):
-            kind = getattr(i, "kind", None)
+            try:
+                kind = i.kind
+            except AttributeError:
+                kind = None
             if kind is LOAD or kind is STORE:           # fast path first: the common, well-formed case
                 r = i.region
                 if r.__class__ is Region and (r.rank is None or (r.rank.__class__ is int and 0 <= r.rank < R)) and r.tensor.__class__ is str and (
@@ -366,126 +383,176 @@ class Derived:
         """S4 violations, and whether one of them makes the rules V1-V7 impossible to state
         (a region or address naming no tensor)."""
         out, fatal = [], False
-        s, ctx = self.s, self.ctx
-        storage, shape, kinds = ctx.storage, ctx.shape, ctx.kind
+        s, storage = self.s, self.ctx.storage
         LOAD, STORE, COMPUTE = InstrKind.LOAD, InstrKind.STORE, InstrKind.COMPUTE
+        # Fast path, per task: every LOAD / STORE names a tensor of the graph on the task's own
+        # copy (no region rank), the body is loads, one compute, stores in that order, and the
+        # regions are the derived ones box for box. Such a task breaks no S4 rule. Any other
+        # task goes through `_check_task`, which says why.
         for t in s.tasks:
-            own = (None, t.rank)
-            bad = False
+            instrs = t.instrs
             dl: dict[str, list] = {}
             ds: dict[str, list] = {}
-            mem = []
-            computes, last_load, first_store = [], -1, None
-            foreign = False         # a LOAD/STORE names another rank's copy
-            for k, i in enumerate(t.instrs):
+            ncomp, comp, last_load, first_store = 0, -1, -1, -1
+            regular = instrs.__class__ is list
+            for k, i in enumerate(instrs if regular else ()):
                 kind = i.kind
-                if kind is not LOAD and kind is not STORE:
-                    if kind is COMPUTE:
-                        computes.append(k)
-                    continue
-                if kind is LOAD:
-                    last_load = k
-                elif first_store is None:
-                    first_store = k
-                r = i.region
-                buf = storage.get(r.tensor)
-                if buf is None:
-                    out.append(_v("S4", t.id, f"{kind.value} names %{r.tensor}, which is no tensor of the "
-                                              f"graph or the schedule's buffers"))
-                    bad = True
-                    continue
-                if i.addressed_by is not None and i.addressed_by not in storage:
-                    out.append(_v("S4", t.id, f"load %{r.tensor} is addressed_by %{i.addressed_by}, which is no "
-                                              f"tensor"))
-                    bad = True
-                mem.append((kind, r, buf))
-                if r.rank is None or r.rank == t.rank:
-                    got = (dl if kind is LOAD else ds).get(buf)
-                    if got is None:
-                        (dl if kind is LOAD else ds)[buf] = [r.box]
+                if kind is LOAD or kind is STORE:
+                    r = i.region
+                    buf = storage.get(r.tensor)
+                    if buf is None or r.rank is not None or (i.addressed_by is not None and
+                                                             i.addressed_by not in storage):
+                        regular = False
+                        break
+                    if kind is LOAD:
+                        last_load = k
+                        got = dl.get(buf)
+                        if got is None:
+                            dl[buf] = [r.box]
+                            continue
                     else:
-                        got.append(r.box)
-                else:
-                    foreign = True
-            if bad:
-                fatal = True
-                continue
-            fs = len(t.instrs) if first_store is None else first_store
-            if len(computes) > 1:
-                out.append(_v("S4", t.id, f"the body has {len(computes)} compute lines (one computes the task's ops)"))
-            elif computes and last_load > computes[0]:
-                out.append(_v("S4", t.id, f"a LOAD comes after the compute line: the ops read "
-                                          f"%{t.instrs[last_load].region.tensor} before it is loaded",
-                              _rs(t.instrs[last_load].region)))
-            elif (computes and fs < computes[0]) or last_load > fs:
-                out.append(_v("S4", t.id, f"a STORE of %{t.instrs[fs].region.tensor} comes before the "
-                                          f"{'compute line' if computes and fs < computes[0] else 'last LOAD'}: "
-                                          f"it stores what is not computed yet", _rs(t.instrs[fs].region)))
-            reads, writes, _, coll, err = self.derive(t)
-            if not err and not coll and not foreign and dl == reads and ds == writes and self._tile_ok(t):
-                continue      # fast path: exactly the derived regions, box for box (in bounds: the tile is)
-            for kind, r, buf in mem:
-                sh = shape[r.tensor]
-                try:
-                    ok = len(r.box) == len(sh) and all(0 <= a < b <= n for (a, b), n in zip(r.box, sh))
-                except (TypeError, ValueError):
-                    ok = False
-                if not ok:
-                    out.append(_v("S4", t.id, f"{kind.value} box is empty, malformed or outside %{r.tensor}'s "
-                                              f"shape {list(sh)}", _rs(r) if isinstance(r.box, tuple) else ""))
-                    bad = True
-            if bad:
-                fatal = True
-                continue
-            if err:
-                out.append(_v("S4", t.id, err))
-                continue
-            if not self._tile_ok(t) and not coll:
-                out.append(_v("S4", t.id, f"tile {_bs(t.tile)} is empty or outside the shape of the output it tiles"))
-            dl, ds = {}, {}
-            for kind, r, buf in mem:
-                peer = r.rank not in own
-                if coll and kinds.get(buf) is Kind.comm:
-                    continue      # slots: checked by _slots below
-                if kind is LOAD:
-                    if peer:
-                        out.append(_v("S4", t.id, f"loads another rank's copy of %{r.tensor}, which only "
-                                                  f"comm buffers of collectives may do", _rs(r)))
-                    elif buf not in reads:
-                        out.append(_v("S4", t.id, f"loads %{r.tensor}, which none of its ops "
-                                                  f"({', '.join('%' + n for n in t.ops)}) reads", _rs(r)))
-                    else:
-                        dl.setdefault(buf, []).append(r.box)
-                else:
-                    if peer:
-                        out.append(_v("S4", t.id, f"stores into another rank's copy of %{r.tensor}, which "
-                                                  f"only comm buffers of collectives may do", _rs(r)))
-                    elif buf not in writes or not any(
-                            all(a0 <= b0 and b1 <= a1 for (a0, a1), (b0, b1) in zip(w, r.box))
-                            for w in writes[buf]):
-                        what = kinds.get(buf)
-                        what = f"the {what.value} " if what is not None else ""
-                        out.append(_v("S4", t.id, f"stores into {what}%{r.tensor} {_bs(r.box)}, which no op of "
-                                                  f"the task computes there", _rs(r)))
-                    else:
-                        ds.setdefault(buf, []).append(r.box)
-            if isinstance(coll, tuple):
-                out += self._slots(t, *coll)
-            for buf, bxs in reads.items():
-                for bx in bxs:
-                    if not _covered(bx, dl.get(buf, [])):
-                        out.append(_v("S4", t.id, f"its ops read %{buf} {_bs(bx)} but no LOAD covers it "
-                                                  f"(declared: {', '.join(map(_bs, dl.get(buf, []))) or 'none'})"))
-            if coll:
-                if not any(k is STORE for k, _, _ in mem):
-                    out.append(_v("S4", t.id, "the collective task stores nothing"))
-                continue              # a push stores slots, the local task the result
-            for buf, bxs in writes.items():
-                for bx in bxs:
-                    if not _covered(bx, ds.get(buf, [])):
-                        out.append(_v("S4", t.id, f"its ops compute %{buf} {_bs(bx)} for other tasks but no STORE "
-                                                  f"covers it (declared: {', '.join(map(_bs, ds.get(buf, []))) or 'none'})"))
+                        if first_store < 0:
+                            first_store = k
+                        got = ds.get(buf)
+                        if got is None:
+                            ds[buf] = [r.box]
+                            continue
+                    got.append(r.box)
+                elif kind is COMPUTE:
+                    ncomp += 1
+                    if comp < 0:
+                        comp = k
+            if regular and ncomp <= 1:
+                fs = len(instrs) if first_store < 0 else first_store
+                if not (ncomp and (last_load > comp or fs < comp)) and last_load <= fs:
+                    reads, writes, _, coll, err = self.derive(t)
+                    if not err and not coll and dl == reads and ds == writes and self._tile_ok(t):
+                        continue
+            errs, bad = self._check_task(t)
+            out += errs
+            fatal = fatal or bad
         return out, fatal
+
+    def _check_task(self, t) -> tuple[list, bool]:
+        """S4 violations of one task, and whether one of them is fatal (see `check`)."""
+        out = []
+        ctx = self.ctx
+        storage, shape, kinds = ctx.storage, ctx.shape, ctx.kind
+        LOAD, STORE, COMPUTE = InstrKind.LOAD, InstrKind.STORE, InstrKind.COMPUTE
+        own = (None, t.rank)
+        bad = False
+        dl: dict[str, list] = {}
+        ds: dict[str, list] = {}
+        mem = []
+        computes, last_load, first_store = [], -1, None
+        foreign = False         # a LOAD/STORE names another rank's copy
+        for k, i in enumerate(t.instrs):
+            kind = i.kind
+            if kind is not LOAD and kind is not STORE:
+                if kind is COMPUTE:
+                    computes.append(k)
+                continue
+            if kind is LOAD:
+                last_load = k
+            elif first_store is None:
+                first_store = k
+            r = i.region
+            buf = storage.get(r.tensor)
+            if buf is None:
+                out.append(_v("S4", t.id, f"{kind.value} names %{r.tensor}, which is no tensor of the "
+                                          f"graph or the schedule's buffers"))
+                bad = True
+                continue
+            if i.addressed_by is not None and i.addressed_by not in storage:
+                out.append(_v("S4", t.id, f"load %{r.tensor} is addressed_by %{i.addressed_by}, which is no "
+                                          f"tensor"))
+                bad = True
+            mem.append((kind, r, buf))
+            if r.rank is None or r.rank == t.rank:
+                got = (dl if kind is LOAD else ds).get(buf)
+                if got is None:
+                    (dl if kind is LOAD else ds)[buf] = [r.box]
+                else:
+                    got.append(r.box)
+            else:
+                foreign = True
+        if bad:
+            return out, True
+        fs = len(t.instrs) if first_store is None else first_store
+        if len(computes) > 1:
+            out.append(_v("S4", t.id, f"the body has {len(computes)} compute lines (one computes the task's ops)"))
+        elif computes and last_load > computes[0]:
+            out.append(_v("S4", t.id, f"a LOAD comes after the compute line: the ops read "
+                                      f"%{t.instrs[last_load].region.tensor} before it is loaded",
+                          _rs(t.instrs[last_load].region)))
+        elif (computes and fs < computes[0]) or last_load > fs:
+            out.append(_v("S4", t.id, f"a STORE of %{t.instrs[fs].region.tensor} comes before the "
+                                      f"{'compute line' if computes and fs < computes[0] else 'last LOAD'}: "
+                                      f"it stores what is not computed yet", _rs(t.instrs[fs].region)))
+        reads, writes, _, coll, err = self.derive(t)
+        if not err and not coll and not foreign and dl == reads and ds == writes and self._tile_ok(t):
+            return out, False     # exactly the derived regions, box for box (in bounds: the tile is)
+        for kind, r, buf in mem:
+            sh = shape[r.tensor]
+            try:
+                ok = len(r.box) == len(sh) and all(0 <= a < b <= n for (a, b), n in zip(r.box, sh))
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                out.append(_v("S4", t.id, f"{kind.value} box is empty, malformed or outside %{r.tensor}'s "
+                                          f"shape {list(sh)}", _rs(r) if isinstance(r.box, tuple) else ""))
+                bad = True
+        if bad:
+            return out, True
+        if err:
+            out.append(_v("S4", t.id, err))
+            return out, False
+        if not self._tile_ok(t) and not coll:
+            out.append(_v("S4", t.id, f"tile {_bs(t.tile)} is empty or outside the shape of the output it tiles"))
+        dl, ds = {}, {}
+        for kind, r, buf in mem:
+            peer = r.rank not in own
+            if coll and kinds.get(buf) is Kind.comm:
+                continue      # slots: checked by _slots below
+            if kind is LOAD:
+                if peer:
+                    out.append(_v("S4", t.id, f"loads another rank's copy of %{r.tensor}, which only "
+                                              f"comm buffers of collectives may do", _rs(r)))
+                elif buf not in reads:
+                    out.append(_v("S4", t.id, f"loads %{r.tensor}, which none of its ops "
+                                              f"({', '.join('%' + n for n in t.ops)}) reads", _rs(r)))
+                else:
+                    dl.setdefault(buf, []).append(r.box)
+            else:
+                if peer:
+                    out.append(_v("S4", t.id, f"stores into another rank's copy of %{r.tensor}, which "
+                                              f"only comm buffers of collectives may do", _rs(r)))
+                elif buf not in writes or not any(
+                        all(a0 <= b0 and b1 <= a1 for (a0, a1), (b0, b1) in zip(w, r.box))
+                        for w in writes[buf]):
+                    what = kinds.get(buf)
+                    what = f"the {what.value} " if what is not None else ""
+                    out.append(_v("S4", t.id, f"stores into {what}%{r.tensor} {_bs(r.box)}, which no op of "
+                                              f"the task computes there", _rs(r)))
+                else:
+                    ds.setdefault(buf, []).append(r.box)
+        if isinstance(coll, tuple):
+            out += self._slots(t, *coll)
+        for buf, bxs in reads.items():
+            for bx in bxs:
+                if not _covered(bx, dl.get(buf, [])):
+                    out.append(_v("S4", t.id, f"its ops read %{buf} {_bs(bx)} but no LOAD covers it "
+                                              f"(declared: {', '.join(map(_bs, dl.get(buf, []))) or 'none'})"))
+        if coll:
+            if not any(k is STORE for k, _, _ in mem):
+                out.append(_v("S4", t.id, "the collective task stores nothing"))
+            return out, False     # a push stores slots, the local task the result
+        for buf, bxs in writes.items():
+            for bx in bxs:
+                if not _covered(bx, ds.get(buf, [])):
+                    out.append(_v("S4", t.id, f"its ops compute %{buf} {_bs(bx)} for other tasks but no STORE "
+                                              f"covers it (declared: {', '.join(map(_bs, ds.get(buf, []))) or 'none'})"))
+        return out, False
 
     def _tile_ok(self, t) -> bool:
         """Is the task's tile a non-empty box inside the output it tiles?"""

@@ -161,31 +161,56 @@ class Access:
         self.stores: dict[tuple[int, str], list[Acc]] = defaultdict(list)   # explicit: (rank, buf)
         self._base: dict[str, list[Acc]] = defaultdict(list)                # symmetric: buf -> rank 0's
         LOAD, STORE, weight = InstrKind.LOAD, InstrKind.STORE, Kind.weight
-        root, kinds = self.bm.root, self.bm.kind
+        root, kinds, inputs, n = self.bm.root, self.bm.kind, self.bm.inputs, self.n
+        act, comm, sym = Kind.act, Kind.comm, hb.sym
+        # What an access's buffer, version and kind depend on: the task's ops (`BufferMap.access`),
+        # the region's tensor and load or store. Tasks of a family share their ops tuple: per ops
+        # tuple (by identity), per (tensor, store): (buffer, version, kind, is_input, needs_producer).
+        fam: dict[int, tuple] = {}
         for t in s.tasks:
             vcs = hb.vc.get(t.id)
             if vcs is None:
                 continue
             daddr = None        # the task's derived addressing, looked up at its first load
+            got = fam.get(id(t.ops))
+            if got is None or got[0] is not t.ops:
+                got = fam[id(t.ops)] = (t.ops, {})
+            info = got[1]
+            rank = t.rank
+            uid = rank * n + t.id
             for k, i in enumerate(t.instrs):
-                if (i.kind is not LOAD and i.kind is not STORE) or vcs[k] is None:
-                    continue
-                addr = ()
-                if i.kind is LOAD:
+                kind_i = i.kind
+                if kind_i is LOAD:
+                    if vcs[k] is None:
+                        continue
                     if daddr is None:
                         daddr = derived.addr(t) if derived is not None else {}
-                    d, a = daddr.get(root[i.region.tensor][0]), i.addressed_by
+                    r = i.region
+                    rb = root[r.tensor][0]
+                    d, a = daddr.get(rb), i.addressed_by
                     addr = () if not d and not a else (d,) if not a or a == d else (a,) if not d else (d, a)
-                    if not addr and kinds.get(root[i.region.tensor][0]) is weight:
+                    if not addr and kinds.get(rb) is weight:
                         continue    # a plain weight read: no rule looks at it (V3 needs the addressed ones)
-                buf, ver = self.bm.access(t, i.region.tensor, i.kind is STORE)
-                kind = kinds[buf]
-                a = Acc(t, k, i.region, t.rank if i.region.rank is None else i.region.rank, buf, ver, kind,
-                        buf in self.bm.inputs and ver == 0, ver > 0 or kind in (Kind.act, Kind.comm), t.rank,
-                        None, t.rank * self.n + t.id, addr)
-                if i.kind is InstrKind.LOAD:
+                    key = (r.tensor, False)
+                elif kind_i is STORE:
+                    if vcs[k] is None:
+                        continue
+                    r = i.region
+                    addr = ()
+                    key = (r.tensor, True)
+                else:
+                    continue
+                acc = info.get(key)
+                if acc is None:
+                    buf, ver = self.bm.access(t, r.tensor, key[1])
+                    kind = kinds[buf]
+                    acc = info[key] = (buf, ver, kind, buf in inputs and ver == 0, ver > 0 or kind in (act, comm))
+                buf, ver, kind, is_input, needs = acc
+                a = Acc(t, k, r, rank if r.rank is None else r.rank, buf, ver, kind, is_input, needs, rank,
+                        None, uid, addr)
+                if kind_i is LOAD:
                     self.loads.append(a)
-                elif hb.sym:
+                elif sym:
                     self._base[buf].append(a)
                 else:
                     self.stores[(a.rank, buf)].append(a)
