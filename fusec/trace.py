@@ -31,11 +31,10 @@ def task_times(s: Schedule) -> dict[int, tuple[float, float]]:
     waits: list[list[int]] = []          # per task (by position): the events it waits on (threshold > 0)
     for t in s.tasks:
         mine = []
-        for i in t.instrs:
-            kind = i.kind
-            if kind is SIGNAL:
+        for i in [i for i in t.instrs if (kind := i.kind) is SIGNAL or kind is WAIT]:
+            if i.kind is SIGNAL:
                 (signallers if i.peer is None else peer_sig)[i.event].append(t.id)
-            elif kind is WAIT and i.threshold:
+            elif i.threshold:
                 mine.append(i.event)
         waits.append(mine)
     # per event: how many of its signalling tasks have finished, and the latest finish
@@ -110,11 +109,19 @@ def _compact_trace(s: Schedule, times: dict, ranks: int | None) -> dict:
     """One track per (rank, SM group); one event per task family on it; a busy-SMs counter."""
     shown = min(s.ranks, ranks or s.ranks) if s.replicated else s.ranks
     fam: dict[tuple, list] = {}
+    rep = s.replicated
     for t in s.tasks:
         st, en = times[t.id]
-        key = (t.rank if not s.replicated else 0, t.sm // SM_GROUP, t.body_kind, tuple(t.ops))
-        f = fam.setdefault(key, [st, en, 0, 0.0])
-        f[0], f[1], f[2], f[3] = min(f[0], st), max(f[1], en), f[2] + 1, f[3] + (en - st)
+        key = (0 if rep else t.rank, t.sm // SM_GROUP, t.body_kind, tuple(t.ops))
+        f = fam.get(key)
+        if f is None:
+            f = fam[key] = [st, en, 0, 0.0]
+        if st < f[0]:               # min / max, as written out
+            f[0] = st
+        if en > f[1]:
+            f[1] = en
+        f[2] += 1
+        f[3] += en - st
     groups = sorted({sm // SM_GROUP for (_, sm) in s.queues})
     end = max((e for _, e in times.values()), default=0.0)
     ev = []
@@ -128,9 +135,11 @@ def _compact_trace(s: Schedule, times: dict, ranks: int | None) -> dict:
                 ev.append({"ph": "X", "name": body, "cat": body, "pid": r, "tid": gi, "ts": round(st, 3),
                            "dur": round(en - st, 3), "args": {"tasks": n, "busy_us": round(busy, 3),
                                                              "ops": list(ops)[:8]}})
-        # busy SMs over the step (every rank of a replicated schedule runs the same timeline)
-        mine = [times[t.id] for t in s.tasks if s.replicated or t.rank == r]
-        starts, ends = sorted(a for a, _ in mine), sorted(b for _, b in mine)
+        # busy SMs over the step (every rank of a replicated schedule runs the same timeline:
+        # sorted once)
+        if not rep or r == 0:
+            mine = [times[t.id] for t in s.tasks if rep or t.rank == r]
+            starts, ends = sorted(a for a, _ in mine), sorted(b for _, b in mine)
         for i in range(COUNTER_SAMPLES + 1):
             ts = end * i / COUNTER_SAMPLES
             busy = bisect.bisect_right(starts, ts) - bisect.bisect_right(ends, ts)

@@ -86,6 +86,23 @@ def format_instr(i: Instr) -> str:
     return "compute"
 
 
+def _instr_line(i: Instr, lines: dict) -> str:
+    """The line of `i` in a task body (`format_instr`, indented), remembered in `lines`."""
+    kind = i.kind
+    if kind is InstrKind.LOAD or kind is InstrKind.STORE:
+        r = i.region
+        at = f" @{r.rank}" if r.rank is not None else ""
+        if kind is InstrKind.LOAD:
+            addr = f" addressed_by %{i.addressed_by}" if i.addressed_by else ""
+            line = f"    load %{r.tensor} {_box(r.box)}{at}{addr}"
+        else:
+            line = f"    store %{r.tensor} {_box(r.box)}{at}"
+    else:
+        line = f"    {format_instr(i)}"
+    lines[id(i)] = line
+    return line
+
+
 def _cost(c: float) -> str:
     r = repr(float(c))
     return r
@@ -108,20 +125,16 @@ def print_schedule(s: Schedule) -> str:
     # ~9 * 10^5 instruction lines, ~3.4 * 10^5 distinct instructions): each is formatted once,
     # keyed by identity (every one stays alive in `s` meanwhile).
     lines: dict[int, str] = {}
+    get = lines.get
     ops_text: dict[int, tuple] = {}
     append = out.append
     for t in s.tasks:
         got = ops_text.get(id(t.ops))
         if got is None or got[0] is not t.ops:
             got = ops_text[id(t.ops)] = (t.ops, ", ".join(f"%{o}" for o in t.ops))
-        append(f"  task {t.id} rank {t.rank} sm {t.sm} {t.body_kind} ops({got[1]}) tile {_box(t.tile)} "
-               f"cost {_cost(t.cost_us)} {{")
-        for i in t.instrs:
-            line = lines.get(id(i))
-            if line is None:
-                line = lines[id(i)] = f"    {format_instr(i)}"
-            append(line)
-        append("  }")
+        body = [get(id(i)) or _instr_line(i, lines) for i in t.instrs]
+        append("\n".join([f"  task {t.id} rank {t.rank} sm {t.sm} {t.body_kind} ops({got[1]}) tile {_box(t.tile)} "
+                          f"cost {_cost(t.cost_us)} {{", *body, "  }"]))
     for (rank, sm), ids in sorted(s.queues.items()):
         out.append(f"  queue {rank} {sm} :" + "".join(f" {i}" for i in ids))
     out.append("}")
