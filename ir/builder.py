@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import fnmatch
+
 import contextlib
 
 from .graph import Graph, Value
@@ -67,6 +69,14 @@ class GraphBuilder:
         self._used.add(f"{base}.{i}")
         return f"{base}.{i}"
 
-    def finish(self, outputs: list[Value]) -> Graph:
+    def finish(self, outputs: list[Value], tp_roles: list[tuple[str, str]] = ()) -> Graph:
+        """Set the outputs; `tp_roles` [(fnmatch pattern, role)]: each weight matching a pattern
+        (first match wins) gets param attr `tp = role`, how the shard pass splits the linear that
+        reads it ("col", "row", "vocab"; "rep" and unmatched weights stay whole). The model states it, the
+        graph carries it (printed in .fir), no pass knows weight names."""
         self.g.set_outputs(outputs)
+        for v in self.g.weights():
+            role = next((r for pat, r in tp_roles if fnmatch.fnmatchcase(v.name, pat)), None)
+            if role not in (None, "rep"):        # "rep": stated whole (stops a later pattern)
+                self.g.param_attrs.setdefault(v.name, {})["tp"] = role
         return self.g

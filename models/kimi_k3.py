@@ -80,6 +80,19 @@ CONFIGS: dict[str, K3Config] = {
 }
 DEFAULT_CONFIG = "full"
 
+# How the shard pass splits each linear over a tensor-parallel group (first match wins; "rep" and
+# unmatched: whole). GraphBuilder.finish puts them on the weights as param attr `tp`.
+TP_ROLES = [
+    ("*.routed_expert_up_proj.weight", "row"),   # input: the normalised full latent (shares the
+    ("*.routed_expert_down_proj.weight", "rep"),  # shared expert's all_reduce); latent on every rank
+    ("*.q_a_proj.weight", "rep"), ("*.kv_a_proj_with_mqa.weight", "rep"), ("*.f_a_proj.weight", "rep"),
+    ("*.q_proj.weight", "col"), ("*.k_proj.weight", "col"), ("*.v_proj.weight", "col"),
+    ("*.g_proj.weight", "col"), ("*.b_proj.weight", "col"), ("*.f_b_proj.weight", "col"),
+    ("*.q_b_proj.weight", "col"), ("*.gate_proj.weight", "col"), ("*.up_proj.weight", "col"),
+    ("*.o_proj.weight", "row"), ("*.down_proj.weight", "row"),
+    ("lm_head.weight", "vocab"),    # column-parallel over the largest divisor of R dividing the vocab
+]
+
 
 def get_config(config: str | K3Config = DEFAULT_CONFIG, **overrides) -> K3Config:
     return select_config("kimi_k3", CONFIGS, config, overrides)
@@ -114,7 +127,7 @@ def build_graph(config: str | K3Config = DEFAULT_CONFIG, **overrides) -> Graph:
         hn = b.op("rms_norm", h, b.weight("norm.weight", [c.hidden]), eps=c.rms_eps, name="norm")
         logits = b.op("linear", hn, b.weight("lm_head.weight", [c.vocab, c.hidden]), out_dtype="f32", name="logits")
         nxt = b.op("argmax", logits, name="next_token")
-    return b.finish([logits, nxt])
+    return b.finish([logits, nxt], tp_roles=TP_ROLES)
 
 
 def _attn_res(b, c, prefix, blocks, partial, name):

@@ -48,6 +48,15 @@ CONFIGS: dict[str, LlamaConfig] = {
 }
 DEFAULT_CONFIG = "llama-3.2-1b"
 
+# How the shard pass splits each linear over a tensor-parallel group (GraphBuilder.finish puts
+# them on the weights as param attr `tp`; a tied lm head is the embedding table: whole).
+TP_ROLES = [
+    ("*.q_proj.weight", "col"), ("*.k_proj.weight", "col"), ("*.v_proj.weight", "col"),
+    ("*.gate_proj.weight", "col"), ("*.up_proj.weight", "col"),
+    ("*.o_proj.weight", "row"), ("*.down_proj.weight", "row"),
+    ("lm_head.weight", "vocab"),
+]
+
 
 def get_config(config: str | LlamaConfig = DEFAULT_CONFIG, **overrides) -> LlamaConfig:
     c = select_config("llama", CONFIGS, config, overrides)
@@ -78,7 +87,7 @@ def build_graph(config: str | LlamaConfig = DEFAULT_CONFIG, **overrides) -> Grap
         head = embed if c.tie_embeddings else b.weight("lm_head.weight", [c.vocab, c.hidden])
         logits = b.op("linear", h, head, out_dtype="f32", name="logits")
         nxt = b.op("argmax", logits, name="next_token")
-    return b.finish([logits, nxt])
+    return b.finish([logits, nxt], tp_roles=TP_ROLES)
 
 
 def _attention(b, c, p, h, pos):

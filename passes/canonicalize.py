@@ -107,7 +107,7 @@ def _mergeable(prog: Program, g: Graph, op: Op, users) -> bool:
         why = f"{w.type.dtype.value} weights are not merged"
     elif len(users[w.name]) != 1:
         why = "its weight is read by another op too"
-    elif w.name in g.param_attrs:
+    elif {"sources", "split"} & set(g.param_attrs.get(w.name, {})):
         why = "its weight is already derived or sharded (merge before shard)"
     elif y.type.dtype not in _WIDTH:
         why = f"output dtype {y.type.dtype.value} is not merged"
@@ -128,6 +128,9 @@ def _merge(prog: Program, g: Graph, lins: list[Op]) -> None:
     g.params.remove(mw)                               # declare it where its first source was
     g.params.insert(g.params.index(weights[0]), mw)
     g.param_attrs[wname] = {"sources": tuple(w.name for w in weights)}
+    roles = tuple(g.param_attrs.get(w.name, {}).get("tp", "rep") for w in weights)
+    if any(r != "rep" for r in roles):   # the sources' tensor-parallel roles, for the shard pass
+        g.param_attrs[wname]["source_tp"] = roles
     scope = lins[0].outputs[0].name.rsplit(".", 1)[0] if "." in lins[0].outputs[0].name else ""
     yname = _unique(g, (scope + "." if scope else "") + "merged_" + lins[0].outputs[0].name.rsplit(".", 1)[-1])
     merged = _make(g, "linear", [x, mw], {"out_dtype": out_dt.value}, yname, None)

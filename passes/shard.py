@@ -32,9 +32,10 @@ latent is all-reduced (EP group) before the latent RMSNorm, the latent up-projec
 row-parallel and shares the shared expert's all-reduce when both sums live on one group,
 lm_head is vocab-parallel and its logits are all-gathered before argmax.
 
-Which linears are column/row parallel comes from `LINEAR_PLAN` in passes/_shard_plan.py (fnmatch
-on the weight's full name, first match wins; unmatched linears are replicated), which also picks
-tp and ep (`plan_degrees`). Every other weight's slicing follows
+Which linears are column/row parallel is their weight's param attr `tp` (col / row / vocab, as
+the model file states it; a merged weight keeps its sources' roles as `source_tp`; unstated:
+replicated); passes/_shard_plan.py reads it and picks tp and ep (`plan_degrees`). The sharded
+graph drops `tp` / `source_tp`: its `split` annotations say what was done. Every other weight's slicing follows
 from the op that reads it. Each sharded parameter is annotated `{split = [...], ranks = g}` plus
 `stride = s` when s > 1 (and keeps canonicalize's `sources`) so a loader slices the full
 checkpoint tensor (rank r takes slice r // s) and the printed .fir re-parses. Replicated
@@ -55,7 +56,7 @@ from fusec.ir.registry import Trait
 from fusec.ir.types import Kind
 from fusec.passes.manager import Program, register_pass
 
-from ._shard_plan import COL, REP, ROW, VOCAB, ShardError, divisors, linear_plan, plan_degrees, source_rows
+from ._shard_plan import COL, REP, ROW, VOCAB, ShardError, divisors, plan_degrees, source_roles, source_rows, weight_role
 
 FULL, EP = ("full",), ("ep",)
 
@@ -138,6 +139,8 @@ class _Sharder:
     def _declare(self, v: Value, shape, ann: dict, parts: int = 0) -> Value:
         nv = self.g.param(v.name, v.type.with_shape(shape))
         src_ann = dict(self.src.param_attrs.get(v.name, {}))
+        for key in ("tp", "source_tp"):       # consumed here: the split says what was done
+            src_ann.pop(key, None)
         if ann:
             size = parts or self.T
             stride = self.R // size
@@ -284,7 +287,7 @@ class _Sharder:
         sources = self.src.param_attrs.get(w.name, {}).get("sources")
         if sources:
             return self._merged_linear(op, list(sources))
-        plan = linear_plan(w.name)
+        plan = weight_role(self.src, w.name)
         n = w.type.shape[1 if plan == ROW else 0]
         # the TP group, or its largest subgroup that divides the width (the vocab: any divisor of R)
         t = max(d for d in divisors(self.R if plan == VOCAB else self.T) if n % d == 0)
@@ -305,8 +308,8 @@ class _Sharder:
         x, w = op.inputs
         plans, parts, start, lstart = [], [], 0, 0
         rows = source_rows(self.users, op)
-        for s, n in zip(sources, rows):
-            p = linear_plan(s) if self.T > 1 else REP
+        for s, role, n in zip(sources, source_roles(self.src, w.name), rows):
+            p = role if self.T > 1 else REP
             if p == ROW:
                 log(self.prog.opts, "fusion", f"shard: row-parallel %{s} inside merged %{w.name}: kept whole")
                 p = REP
