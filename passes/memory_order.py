@@ -132,13 +132,15 @@ class HappensBefore:
         # task id -> [(instr index, instr)] of its WAITs and SIGNALs: the only instructions the
         # simulation and V5 / V6 act on (a full K3 task has ~2 among ~9)
         self.syncs: list[list[tuple[int, Instr]]] = sync_instrs(s) if syncs is None else syncs
-        SIGNAL = InstrKind.SIGNAL
+        SIGNAL, sym = InstrKind.SIGNAL, self.sym
+        signals, signalers = self.signals, self._signalers
         for t, sy in zip(s.tasks, self.syncs):
             for k, i in sy:
                 if i.kind is SIGNAL:
-                    key = self.ckey(target(t, i), i.event)
-                    self.signals[key] += 1
-                    self._signalers[key].append((t.id, k, target(t, i) - t.rank))
+                    tg = i.peer if i.peer is not None else t.rank      # target(t, i)
+                    key = (0, i.event) if sym else (tg, i.event)         # self.ckey(tg, i.event)
+                    signals[key] += 1
+                    signalers[key].append((t.id, k, tg - t.rank))
         self.per_step = {self.ckey(e.rank, e.id): e.per_step for e in s.events}
         self.vc: dict[int, list] = {}        # task id -> vc array before each instr (shared refs)
         self.done: set[int] = set()
@@ -428,9 +430,9 @@ def v5_deadlock(s: Schedule, hb: HappensBefore) -> list[Violation]:
     """V5: every threshold is reachable (<= signals per step, declared per_step = actual),
     every task is on exactly one queue, and the queues run to completion (no deadlock)."""
     out = []
-    queued = set(hb.where)
+    where = hb.where
     for t in s.tasks:
-        if t.id not in queued:
+        if t.id not in where:
             out.append(Violation(Rule.V5, t.id, message="task is on no queue: it never runs"))
     for tid in hb.dup:
         out.append(Violation(Rule.V5, tid, message="task is on two queues"))
@@ -443,11 +445,13 @@ def v5_deadlock(s: Schedule, hb: HappensBefore) -> list[Violation]:
                                  message=f"event declares per_step {hb.per_step[key]} but receives {n} "
                                          f"signals per step: later steps' thresholds are wrong"))
     unreachable = set()
+    WAIT, signals, sym = InstrKind.WAIT, hb.signals, hb.sym
     for t, sy in zip(s.tasks, hb.syncs):
         for _, i in sy:
-            if i.kind is InstrKind.WAIT:
-                key = (target(t, i), i.event)
-                if i.threshold > hb.signals.get(hb.ckey(*key), 0):
+            if i.kind is WAIT:
+                tg = i.peer if i.peer is not None else t.rank          # target(t, i)
+                if i.threshold > signals.get((0, i.event) if sym else (tg, i.event), 0):
+                    key = (tg, i.event)
                     unreachable.add(t.id)
                     out.append(Violation(Rule.V5, t.id, wait=wait_str(key, i.threshold),
                                          message=f"threshold unreachable: only {hb.signals.get(hb.ckey(*key), 0)} signals per step"))
