@@ -25,7 +25,7 @@ from itertools import product
 from fusec.ir.schedule import InstrKind, Region, Schedule
 from fusec.ir.types import Kind
 
-from ._lowering import COLLECTIVES, _anchor_kind, _op_box
+from ._lowering import COLLECTIVES, _anchor_kind, op_box_rule
 from ._regions import box_hull, full_box, input_rule, out_rule
 from ._rules import Rule, Violation
 
@@ -313,7 +313,8 @@ class Derived:
                     ab = o.opdef.addressed_by or {}
                     ext = [(i, v.name, st[o.inputs[ab[i]].name] if i in ab else None)
                            for i, v in enumerate(o.inputs) if v.name not in produced]
-                    per_op.append([o, ext, o.outputs[0].name if len(o.outputs) == 1 else None, None, None])
+                    per_op.append([o, ext, o.outputs[0].name if len(o.outputs) == 1 else None, None, None,
+                                   None if o is anchor or anchor is None else op_box_rule(o)])
                 stored = [(v.name, st[v.name]) for o in ops for v in o.outputs
                           if v.name in ctx.outputs or any(id(u) not in members for u in ctx.users.get(v.name, ()))]
                 prim = ctx.shape[(anchor or ops[-1]).outputs[0].name]
@@ -331,8 +332,10 @@ class Derived:
         ctx = self.ctx
         st = ctx.storage
         tile = t.tile
-        if tile.__class__ is not tuple or any(d.__class__ is not tuple for d in tile):
-            tile = tuple(map(tuple, tile))
+        for d in tile if tile.__class__ is tuple else (None,):
+            if d.__class__ is not tuple:
+                tile = tuple(map(tuple, tile))
+                break
         if anchor is None and tile == last_fb:
             tile = None                   # an untiled unit: each op computes its whole output
         loads = dict(pro_loads)
@@ -340,13 +343,13 @@ class Derived:
         addr: dict[str, str] = {}
         fb = ctx.fb
         for rec in per_op:
-            o, ext, single, in_rule, out_rule_ = rec
+            o, ext, single, in_rule, out_rule_, box_rule = rec
             if tile is None:
                 ob = fb[o.outputs[0].name]
-            elif o is anchor or anchor is None:
+            elif box_rule is None:        # the anchor, or every op of an anchorless unit
                 ob = tile
             else:
-                ob = _op_box(ctx, o, boxes, tile)
+                ob = box_rule(boxes, tile)          # _op_box
                 if ob is None:
                     continue
             if in_rule is None:
@@ -371,12 +374,21 @@ class Derived:
         st = ctx.storage
         reads: dict[str, list] = {}
         for vn, bx in loads.items():
-            reads.setdefault(st[vn], []).append(bx)
+            b = st[vn]
+            got = reads.get(b)
+            if got is None:
+                reads[b] = [bx]
+            else:
+                got.append(bx)
         writes: dict[str, list] = {}
         for vn, sto in stored:
             bx = boxes.get(vn)
             if bx is not None:
-                writes.setdefault(sto, []).append(bx)
+                got = writes.get(sto)
+                if got is None:
+                    writes[sto] = [bx]
+                else:
+                    got.append(bx)
         return reads, writes, addr, False, None
 
     def check(self) -> tuple[list, bool]:

@@ -295,23 +295,42 @@ def _connected(ops: list[Op]) -> list[list[Op]]:
 
 def _op_box(ctx: _Ctx, o: Op, boxes: dict, tile) -> tuple | None:
     """Box of `o`'s first output in this tile from its driving operand; None = not computed."""
+    return op_box_rule(o)(boxes, tile)
+
+
+def op_box_rule(o: Op):
+    """f(boxes, tile) -> `_op_box` of `o`, with what does not depend on the tile (the op's kind,
+    its operands' names, whether each is made by an op) read once."""
     if o.opname == "linear":            # sibling GEMV: the anchor's rows
-        return tile
-    for d in o.inputs:                  # the driver (`_driver`): the first operand made in the unit
-        if d.name in boxes:
-            break
-    else:
-        return None
-    if d.producer is None:
-        return None
-    db = boxes[d.name]
+        return lambda boxes, tile: tile
+    # the driver (`_driver`) is the first operand made in the unit, i.e. with a box so far
+    cands = [(v.name, v.producer is not None) for v in o.inputs]
     if o.opname == "slice":
-        lo, hi = db[-1]
-        a, b = max(lo, o.attrs["start"]), min(hi, o.attrs["end"])
-        if a >= b:
-            return None
-        return db[:-1] + ((a - o.attrs["start"], b - o.attrs["start"]),)
-    return db
+        attrs = o.attrs
+
+        def slice_box(boxes, tile):
+            for name, made in cands:
+                if name in boxes:
+                    break
+            else:
+                return None
+            if not made:
+                return None
+            db = boxes[name]
+            lo, hi = db[-1]
+            start = attrs["start"]
+            a, b = max(lo, start), min(hi, attrs["end"])
+            if a >= b:
+                return None
+            return db[:-1] + ((a - start, b - start),)
+        return slice_box
+
+    def same_box(boxes, tile):
+        for name, made in cands:
+            if name in boxes:
+                return boxes[name] if made else None
+        return None
+    return same_box
 
 
 def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
@@ -337,9 +356,10 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
     pro_boxes = {v.name: ctx.fb[v.name] for o in pro for v in o.outputs}
     memo = ctx.memo
     # Per tiled op, what is the same for every tile (the loop below runs ~10^5 times on full K3):
-    # (op, is the anchor, flops per output element, its operands read from outside the unit as
-    # (index, value, storage addressing it or None, expert-parallel odds), the name of its one
-    # output or None when it has several, its region rules (built at first use))
+    # (op, its `_op_box` rule or None when it computes the whole tile, flops per output element,
+    # its operands read from outside the unit as (index, value, storage addressing it or None,
+    # expert-parallel odds), the name of its one output or None when it has several, its region
+    # rules (built at first use))
     tiled_ops = []
     for o in core + epi:
         ab = o.opdef.addressed_by
@@ -352,13 +372,14 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                 ext.append((i, v.name, None, None))
             else:   # expert parallel: a slot's expert is on this rank with odds 1 / ep_ranks
                 ext.append((i, v.name, ctx.storage[o.inputs[src].name], 1.0 / o.attrs.get("ep_ranks", 1)))
-        tiled_ops.append([o, o is anchor or anchor is None, costs[id(o)].flops / max(1, ctx.numel[o.outputs[0].name]),
+        tiled_ops.append([o, None if o is anchor or anchor is None else op_box_rule(o),
+                          costs[id(o)].flops / max(1, ctx.numel[o.outputs[0].name]),
                           ext, o.outputs[0].name if len(o.outputs) == 1 else None, None, None])
     stored_names = [v.name for v in stored]
     last_fb = ctx.fb[ops[-1].outputs[0].name]
-    storage, kinds, shape = ctx.storage, ctx.kind, ctx.shape
+    storage, kinds, shape, bpe = ctx.storage, ctx.kind, ctx.shape, ctx.bpe
     LOAD, STORE, weight = InstrKind.LOAD, InstrKind.STORE, Kind.weight
-    spec, sms = ctx.spec, ctx.sms
+    spec, sms, tasks, task_ids = ctx.spec, ctx.sms, ctx.tasks, unit.task_ids
     for tile in tiles:
         boxes = dict(pro_boxes)
         loads = dict(pro_loads)
@@ -366,13 +387,13 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
         epf: dict[str, float] = {}
         flops = 0.0
         for rec in tiled_ops:
-            o, whole_tile, fpe, ext, single, in_rule, out_rule_ = rec
+            o, box_rule, fpe, ext, single, in_rule, out_rule_ = rec
             if tile is None:                 # untiled unit: each op computes its whole output
                 ob = ctx.fb[o.outputs[0].name]
-            elif whole_tile:
+            elif box_rule is None:           # the anchor, or every op of an anchorless unit
                 ob = tile
             else:
-                ob = _op_box(ctx, o, boxes, tile)
+                ob = box_rule(boxes, tile)   # _op_box
                 if ob is None:               # this tile holds none of the op's slice
                     continue
             if in_rule is None:
@@ -405,7 +426,9 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
             key = (vn, box, a)
             hit = memo.get(key)
             if hit is None:
-                nb = ctx.nbytes(vn, box)
+                nb = bpe[vn]                     # ctx.nbytes(vn, box)
+                for lo, hi in box:
+                    nb *= hi - lo
                 if a is not None and kinds[vn] is weight:   # one expert's rows of the box
                     nb *= epf.get(vn, 1.0) / shape[vn][0]
                 hit = memo[key] = (Instr(LOAD, Region(storage[vn], box), addressed_by=a), nb)
@@ -419,14 +442,19 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
             key = (vn, bx, "store")
             hit = memo.get(key)
             if hit is None:
-                hit = memo[key] = (Instr(STORE, Region(storage[vn], bx)),
-                                   store_bytes.get(vn, ctx.nbytes(vn, bx)))
+                if vn in store_bytes:
+                    nb = store_bytes[vn]
+                else:
+                    nb = bpe[vn]                 # ctx.nbytes(vn, bx)
+                    for lo, hi in bx:
+                        nb *= hi - lo
+                hit = memo[key] = (Instr(STORE, Region(storage[vn], bx)), nb)
             instrs.append(hit[0])
             nbytes += hit[1]
-        t = Task(len(ctx.tasks), 0, -1, body, op_names, tile if tile is not None else last_fb, instrs,
-                 task_time_us(spec, nbytes, flops, sms=sms))
-        ctx.tasks.append(t)
-        unit.task_ids.append(t.id)
+        tid = len(tasks)
+        tasks.append(Task(tid, 0, -1, body, op_names, tile if tile is not None else last_fb, instrs,
+                          task_time_us(spec, nbytes, flops, sms=sms)))
+        task_ids.append(tid)
     unit.reads = {v.name for o in ops for v in o.inputs if v.name not in produced_here}
     unit.writes = {v.name for v in stored}
     return unit
