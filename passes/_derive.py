@@ -42,8 +42,10 @@ def _is_int(x) -> bool:
 
 
 # -- S1-S3: structure ----------------------------------------------------------------------------
-def structure(s: Schedule) -> list:
-    """S1 tasks/queues/instructions, S2 events, S3 ranks/SMs/peers. Never raises."""
+def structure(s: Schedule, syncs: list | None = None) -> list:
+    """S1 tasks/queues/instructions, S2 events, S3 ranks/SMs/peers. Never raises.
+    `syncs`, when given, receives per task [(instr index, instr)] of its WAITs and SIGNALs (what
+    `memory_order.sync_instrs` computes; complete only when no violation is returned)."""
     out = []
     R, sms = s.ranks, s.sms
     rep = bool(getattr(s, "replicated", False)) and R > 1
@@ -104,6 +106,9 @@ def structure(s: Schedule) -> list:
         if not isinstance(t.instrs, list):
             out.append(_v("S1", t.id, "task body is not a list of instructions"))
             continue
+        sy = []
+        if syncs is not None:
+            syncs.append(sy)
         for k, i in enumerate(t.instrs):
             try:
                 kind = i.kind
@@ -123,6 +128,7 @@ def structure(s: Schedule) -> list:
                     key = (0 if rep else (t.rank if pe is None else pe), ev)
                     if key not in declared and key not in undeclared:
                         undeclared[key] = t.id
+                    sy.append((k, i))
                     continue
             elif kind is COMPUTE:
                 if i.region is None and i.event is None and i.threshold is None and i.peer is None \
@@ -395,7 +401,7 @@ class Derived:
         """S4 violations, and whether one of them makes the rules V1-V7 impossible to state
         (a region or address naming no tensor)."""
         out, fatal = [], False
-        s, storage = self.s, self.ctx.storage
+        s, storage, fams = self.s, self.ctx.storage, self._fam
         LOAD, STORE, COMPUTE = InstrKind.LOAD, InstrKind.STORE, InstrKind.COMPUTE
         # Fast path, per task: every LOAD / STORE names a tensor of the graph on the task's own
         # copy (no region rank), the body is loads, one compute, stores in that order, and the
@@ -438,8 +444,23 @@ class Derived:
                 fs = len(instrs) if first_store < 0 else first_store
                 if not (ncomp and (last_load > comp or fs < comp)) and last_load <= fs:
                     reads, writes, _, coll, err = self.derive(t)
-                    if not err and not coll and dl == reads and ds == writes and self._tile_ok(t):
-                        continue
+                    if not err and not coll and dl == reads and ds == writes:
+                        # `_tile_ok`, inline: the tile is a non-empty box inside the output it tiles
+                        fam = fams.get(t.ops)
+                        if fam.__class__ is not tuple or fam[0] != "ops":
+                            continue
+                        tile, sh, ok = t.tile, fam[-1], False
+                        try:
+                            if len(tile) == len(sh):
+                                for (a, b), n in zip(tile, sh):
+                                    if not 0 <= a < b <= n:
+                                        break
+                                else:
+                                    ok = True
+                        except (TypeError, ValueError):
+                            pass
+                        if ok:
+                            continue
             errs, bad = self._check_task(t)
             out += errs
             fatal = fatal or bad

@@ -67,7 +67,8 @@ def check_schedule(schedule: Schedule) -> Report:
 
 def _check(schedule: Schedule, rep: Report) -> Report:
     try:
-        rep.errors += structure(schedule)
+        syncs: list = []
+        rep.errors += structure(schedule, syncs)
         if rep.errors:
             rep.stats = {"tasks": len(schedule.tasks), "ranks": schedule.ranks, "structural": True}
             return rep
@@ -77,18 +78,19 @@ def _check(schedule: Schedule, rep: Report) -> Report:
         if fatal:
             rep.stats = {"tasks": len(schedule.tasks), "ranks": schedule.ranks, "structural": True}
             return rep
-        _check_rules(schedule, der, rep)
+        _check_rules(schedule, der, rep, syncs)
     except Exception as e:          # a schedule the checks above let through and still breaks a rule's code
         rep.errors.append(Violation(Rule.S1, None, message=f"malformed schedule: the verifier cannot analyse it "
                                                            f"({type(e).__name__}: {e})"))
     return rep
 
 
-def _check_rules(schedule: Schedule, der: Derived, rep: Report) -> None:
+def _check_rules(schedule: Schedule, der: Derived, rep: Report, syncs: list | None = None) -> None:
     sym = bool(getattr(schedule, "replicated", False)) and schedule.ranks > 1
     s = schedule if sym else expand_ranks(schedule)
     rep.errors += v7_same_grid(s)
-    syncs = sync_instrs(s)
+    if s is not schedule or syncs is None or len(syncs) != len(s.tasks):
+        syncs = sync_instrs(s)          # an expanded schedule: other tasks than structure() saw
     rep.errors += v6_signal_semantics(s, syncs)
     hb = HappensBefore(s, symmetric=sym, syncs=syncs)
     rep.errors += v5_deadlock(s, hb)
