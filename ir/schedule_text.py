@@ -86,17 +86,25 @@ def format_instr(i: Instr) -> str:
     return "compute"
 
 
-def _instr_line(i: Instr, lines: dict) -> str:
-    """The line of `i` in a task body (`format_instr`, indented), remembered in `lines`."""
+def _box_text(box, boxes: dict) -> str:
+    """`_box(box)`, remembered in `boxes` by identity (the caller keeps `box` alive)."""
+    text = boxes[id(box)] = _box(box)
+    return text
+
+
+def _instr_line(i: Instr, lines: dict, boxes: dict) -> str:
+    """The line of `i` in a task body (`format_instr`, indented), remembered in `lines`; box
+    texts are remembered in `boxes` (both by identity: the caller keeps `i` alive)."""
     kind = i.kind
     if kind is InstrKind.LOAD or kind is InstrKind.STORE:
         r = i.region
+        box = boxes.get(id(r.box)) or _box_text(r.box, boxes)
         at = f" @{r.rank}" if r.rank is not None else ""
         if kind is InstrKind.LOAD:
             addr = f" addressed_by %{i.addressed_by}" if i.addressed_by else ""
-            line = f"    load %{r.tensor} {_box(r.box)}{at}{addr}"
+            line = f"    load %{r.tensor} {box}{at}{addr}"
         else:
-            line = f"    store %{r.tensor} {_box(r.box)}{at}"
+            line = f"    store %{r.tensor} {box}{at}"
     else:
         line = f"    {format_instr(i)}"
     lines[id(i)] = line
@@ -124,16 +132,19 @@ def print_schedule(s: Schedule) -> str:
     # Instructions and op lists are shared between the tasks of a family (a full K3 schedule has
     # ~9 * 10^5 instruction lines, ~3.4 * 10^5 distinct instructions): each is formatted once,
     # keyed by identity (every one stays alive in `s` meanwhile).
+    # Boxes are often shared too (the tile pass keeps one tuple per distinct box).
     lines: dict[int, str] = {}
     get = lines.get
+    boxes: dict[int, str] = {}
     ops_text: dict[int, tuple] = {}
     append = out.append
     for t in s.tasks:
         got = ops_text.get(id(t.ops))
         if got is None or got[0] is not t.ops:
             got = ops_text[id(t.ops)] = (t.ops, ", ".join(f"%{o}" for o in t.ops))
-        body = [get(id(i)) or _instr_line(i, lines) for i in t.instrs]
-        append("\n".join([f"  task {t.id} rank {t.rank} sm {t.sm} {t.body_kind} ops({got[1]}) tile {_box(t.tile)} "
+        body = [get(id(i)) or _instr_line(i, lines, boxes) for i in t.instrs]
+        tile = boxes.get(id(t.tile)) or _box_text(t.tile, boxes)
+        append("\n".join([f"  task {t.id} rank {t.rank} sm {t.sm} {t.body_kind} ops({got[1]}) tile {tile} "
                           f"cost {_cost(t.cost_us)} {{", *body, "  }"]))
     for (rank, sm), ids in sorted(s.queues.items()):
         out.append(f"  queue {rank} {sm} :" + "".join(f" {i}" for i in ids))
