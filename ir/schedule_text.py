@@ -148,8 +148,8 @@ def print_schedule(s: Schedule) -> str:
                           f"cost {_cost(t.cost_us)} {{", *body, "  }"]))
     for (rank, sm), ids in sorted(s.queues.items()):
         out.append(f"  queue {rank} {sm} :" + "".join(f" {i}" for i in ids))
-    out.append("}")
-    return "\n".join(out) + "\n"
+    out.append("}\n")                  # the final newline without copying the whole text again
+    return "\n".join(out)
 
 
 # -- parser --------------------------------------------------------------------------------------

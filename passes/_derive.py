@@ -252,6 +252,7 @@ class Derived:
         self.s = s
         self.ctx = _Ctx(s)
         self._memo: dict = {}
+        self._addr: dict = {}           # (ops, tile) -> addr of the derivation (kept after `check`)
         self._fam: dict = {}
 
     # (reads {buffer: [box]}, writes {buffer: [box]}, addr {buffer: address buffer}, collective, error)
@@ -265,10 +266,12 @@ class Derived:
                 hit = (None, None, {}, False, f"cannot derive the task's regions from its ops: "
                                               f"{type(e).__name__}: {e}")
             self._memo[key] = hit
+            self._addr[key] = hit[2]
         return hit
 
     def addr(self, t) -> dict:
-        return self.derive(t)[2]
+        got = self._addr.get((t.ops, t.tile))
+        return self.derive(t)[2] if got is None else got
 
     def _family(self, names):
         """What does not depend on the tile: the ops, their roles, what is stored (memoized per
@@ -464,6 +467,9 @@ class Derived:
             errs, bad = self._check_task(t)
             out += errs
             fatal = fatal or bad
+        # the rules after S4 need only the addressing (`addr`): the derived boxes of ~10^5 tasks
+        # (~90 MB on full K3) are let go; `derive` computes them again if asked
+        self._memo = {}
         return out, fatal
 
     def _check_task(self, t) -> tuple[list, bool]:
