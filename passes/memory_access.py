@@ -165,7 +165,8 @@ class Access:
         act, comm, sym = Kind.act, Kind.comm, hb.sym
         # What an access's buffer, version and kind depend on: the task's ops (`BufferMap.access`),
         # the region's tensor and load or store. Tasks of a family share their ops tuple: per ops
-        # tuple (by identity), per (tensor, store): (buffer, version, kind, is_input, needs_producer).
+        # tuple (by identity), per tensor, for loads and for stores: (buffer, version, kind,
+        # is_input, needs_producer), loads also (root buffer, is that a weight).
         fam: dict[int, tuple] = {}
         for t in s.tasks:
             vcs = hb.vc.get(t.id)
@@ -174,8 +175,8 @@ class Access:
             daddr = None        # the task's derived addressing, looked up at its first load
             got = fam.get(id(t.ops))
             if got is None or got[0] is not t.ops:
-                got = fam[id(t.ops)] = (t.ops, {})
-            info = got[1]
+                got = fam[id(t.ops)] = (t.ops, {}, {})
+            _, linfo, sinfo = got
             rank = t.rank
             uid = rank * n + t.id
             for k, i in enumerate(t.instrs):
@@ -186,34 +187,37 @@ class Access:
                     if daddr is None:
                         daddr = derived.addr(t) if derived is not None else {}
                     r = i.region
-                    rb = root[r.tensor][0]
+                    acc = linfo.get(r.tensor)
+                    if acc is None:
+                        rb = root[r.tensor][0]
+                        buf, ver = self.bm.access(t, r.tensor, False)
+                        kind = kinds[buf]
+                        acc = linfo[r.tensor] = (rb, kinds.get(rb) is weight, buf, ver, kind,
+                                                 buf in inputs and ver == 0, ver > 0 or kind in (act, comm))
+                    rb, plain_weight, buf, ver, kind, is_input, needs = acc
                     d, a = daddr.get(rb), i.addressed_by
                     addr = () if not d and not a else (d,) if not a or a == d else (a,) if not d else (d, a)
-                    if not addr and kinds.get(rb) is weight:
+                    if not addr and plain_weight:
                         continue    # a plain weight read: no rule looks at it (V3 needs the addressed ones)
-                    key = (r.tensor, False)
+                    self.loads.append(Acc(t, k, r, rank if r.rank is None else r.rank, buf, ver, kind, is_input,
+                                          needs, rank, None, uid, addr))
                 elif kind_i is STORE:
                     if vcs[k] is None:
                         continue
                     r = i.region
-                    addr = ()
-                    key = (r.tensor, True)
-                else:
-                    continue
-                acc = info.get(key)
-                if acc is None:
-                    buf, ver = self.bm.access(t, r.tensor, key[1])
-                    kind = kinds[buf]
-                    acc = info[key] = (buf, ver, kind, buf in inputs and ver == 0, ver > 0 or kind in (act, comm))
-                buf, ver, kind, is_input, needs = acc
-                a = Acc(t, k, r, rank if r.rank is None else r.rank, buf, ver, kind, is_input, needs, rank,
-                        None, uid, addr)
-                if kind_i is LOAD:
-                    self.loads.append(a)
-                elif sym:
-                    self._base[buf].append(a)
-                else:
-                    self.stores[(a.rank, buf)].append(a)
+                    acc = sinfo.get(r.tensor)
+                    if acc is None:
+                        buf, ver = self.bm.access(t, r.tensor, True)
+                        kind = kinds[buf]
+                        acc = sinfo[r.tensor] = (buf, ver, kind, buf in inputs and ver == 0,
+                                                 ver > 0 or kind in (act, comm))
+                    buf, ver, kind, is_input, needs = acc
+                    a = Acc(t, k, r, rank if r.rank is None else r.rank, buf, ver, kind, is_input, needs, rank,
+                            None, uid, ())
+                    if sym:
+                        self._base[buf].append(a)
+                    else:
+                        self.stores[(a.rank, buf)].append(a)
         self._memo: dict = {}
         self._index: dict = {}
 
