@@ -28,10 +28,8 @@ reader's (`parse_schedule(..., fast=False)` forces it; tests check the two agree
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import itertools
 import json
 import re
@@ -41,6 +39,7 @@ from pathlib import Path
 from lark import Lark, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
+from .gc_pause import gc_paused
 from .parser import _NAME, _VAR, FirSyntaxError, parse_fir   # one spelling of names and %values for both readers
 from .printer import print_graph
 from .schedule import Event, Instr, InstrKind, Region, Schedule, Scope, Sem, Task
@@ -158,22 +157,9 @@ def _lark() -> Lark:
     return Lark(GRAMMAR.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=False)
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Reading builds ~10^6 long-lived objects and frees almost none: the cyclic GC would rescan
-    them again and again for nothing. Paused while reading, back on (as it was) after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def parse_schedule(text: str, filename: str = "<string>", fast: bool = True) -> Schedule:
     """Parse schedule text (the line-oriented reader first, the lark reader when it gives up)."""
-    with _gc_paused():
+    with gc_paused():
         return _parse_schedule(text, filename, fast)
 
 
@@ -213,7 +199,7 @@ def parse_schedule_file(path, fast: bool = True) -> Schedule:
     """Parse a schedule file; streams its lines (the 55 MB text of a full model is never held
     whole) unless the fast reader gives up."""
     path = Path(path)
-    with _gc_paused():
+    with gc_paused():
         return _parse_schedule_file(path, fast)
 
 

@@ -8,8 +8,6 @@ claim against the printed graph and schedule, naming the pass that broke either.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import importlib
 import time
 from dataclasses import dataclass, field
@@ -17,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .options import Options, log
+from fusec.ir.gc_pause import gc_paused
 from fusec.ir.graph import Graph
 from fusec.ir.schedule import Schedule
 
@@ -91,28 +90,6 @@ def verify_program(prog: Program) -> None:
         prog.notes["memory_order"] = report      # the report of the last stage, for the outputs
         if not report.ok:
             raise ValueError(report.first_error())
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Pause the cyclic garbage collector, then set it back as it was. Lowering a full model builds
-    ~10^6 long-lived objects (tasks, instructions, regions) and frees almost none: each full
-    collection rescans all of them for nothing (on full K3 the `tile` pass took 6 s with it, 2.7
-    without). Garbage left meanwhile is collected as usual once it is back on."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            if gc.get_freeze_count() == 0:
-                # What was made meanwhile moves to the oldest generation unscanned, as if it had
-                # survived the collections: else the first allocation after enable() scans all
-                # of it at once (0.65 s on full K3), for the same nothing. (Only when nobody else
-                # froze objects: unfreeze() would thaw theirs too.)
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def _fingerprint(prog: Program) -> tuple[str, str]:

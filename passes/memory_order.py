@@ -16,12 +16,12 @@ A schedule stored SPMD-compactly (rank 0's tasks only) is expanded to every rank
 """
 from __future__ import annotations
 
-import gc
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from fusec.ir.gc_pause import gc_paused
 from fusec.ir.schedule import Instr, InstrKind, Schedule, Scope, Sem
 from fusec.ir.types import Kind
 
@@ -52,17 +52,9 @@ def check_schedule(schedule: Schedule) -> Report:
     reaches). Structural errors (S1-S3, or an S4 region naming no tensor) stop the check there:
     the rules cannot be stated over such a schedule. Never raises on a malformed schedule."""
     rep = Report()
-    # The check allocates ~10^6 small containers (memo tables, clocks) and frees almost none:
-    # the cyclic GC would rescan the whole schedule again and again for nothing (~20% of the
-    # time of a full K3 check). It is paused, not changed: what the check leaves behind is
-    # collected as usual once it is back on.
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    # ~10^6 small containers (memo tables, clocks), almost none freed: see fusec.ir.gc_pause
+    with gc_paused():
         return _check(schedule, rep)
-    finally:
-        if was:
-            gc.enable()
 
 
 def _check(schedule: Schedule, rep: Report) -> Report:

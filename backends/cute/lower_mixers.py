@@ -52,11 +52,10 @@ class MixerLowering:
 
     @lowers('l2_norm')
     def _lower_l2_norm(self, c: OpCtx):
-        t, op, cols, ins, out, at, view, off = c.t, c.op, c.cols, c.ins, c.out, c.at, c.view, c.off
+        t, cols, ins, out, at, off = c.t, c.cols, c.ins, c.out, c.at, c.off
         if cols[1] <= cols[0]:
             return []
-        a, o = view(ins[0]), view(out)
-        self._heads_aligned(op, cols, int(at["head_dim"]))
+        a, o = self._per_head_views(c)
         return [(_ew(t, EwOp.L2_NORM, off(ins[0]), 0, off(out), n0=cols[0], n1=cols[1],
                      ldx=a.row_stride, ldy=o.row_stride, p1=self._flags(a=a, o=o),
                      p2=int(at["head_dim"]), aux=f32_pair(float(at.get("scale", 1.0)),
@@ -78,11 +77,10 @@ class MixerLowering:
 
     @lowers('gated_rms_norm')
     def _lower_gated_rms_norm(self, c: OpCtx):
-        t, op, cols, ins, out, at, view, off = c.t, c.op, c.cols, c.ins, c.out, c.at, c.view, c.off
+        t, cols, ins, out, at, view, off = c.t, c.cols, c.ins, c.out, c.at, c.view, c.off
         if cols[1] <= cols[0]:
             return []
-        a, o = view(ins[0]), view(out)
-        self._heads_aligned(op, cols, int(at["head_dim"]))
+        a, o = self._per_head_views(c)
         g, w = view(ins[1]), view(ins[2])
         fl = self._flags(a=a, b=g, o=o) | (int(F32Flag.A3) if w.dtype is DType.f32 else 0)
         return [(_ew(t, EwOp.GATED_RMS, off(ins[0]), off(ins[1]), off(out), off(ins[2]), n0=cols[0],
@@ -224,6 +222,12 @@ class MixerLowering:
     def _rows(self, t) -> tuple[int, int]:
         """The task's batch rows (the tile's first range; a 1-D tile is over the batch)."""
         return tuple(t.tile[0]) if t.tile else (0, self.B)
+
+    def _per_head_views(self, c):
+        """(input, output) views of a per-head EW op (l2_norm, gated_rms_norm) whose tile must
+        hold whole heads of attr head_dim."""
+        self._heads_aligned(c.op, c.cols, int(c.at["head_dim"]))
+        return c.view(c.ins[0]), c.view(c.out)
 
     def _heads_aligned(self, op, cols, d):
         if cols[0] % d or cols[1] % d:

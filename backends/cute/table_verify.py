@@ -47,10 +47,10 @@ merged ranges would. benchmarks/table_verify_speed.py times it on slice4 lowerin
 from __future__ import annotations
 
 import bisect
-import gc
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
+from fusec.ir.gc_pause import gc_paused
 from fusec.ir.registry import Trait
 from fusec.ir.schedule import InstrKind, Schedule
 from fusec.ir.types import DType, Kind
@@ -402,17 +402,9 @@ def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events:
                  consts: dict, base: int = 0) -> list[TableViolation]:
     """Every violation of T1-T6 by the packed table `words` (rows in queue order) with CTA
     queue `bounds` ([start, end) per CTA)."""
-    # The check builds millions of small tuples and keeps many of them (the operand cache): the
-    # cyclic collector would walk them all again and again (on slice4 it took 3/4 of the time).
-    # Reference counting frees what the check drops; the collector, back on after it, sees to
-    # anything else.
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    # millions of small tuples, many kept (the operand cache): see fusec.ir.gc_pause
+    with gc_paused():
         return _verify(schedule, mem, words, bounds, batch, consts, base)
-    finally:
-        if was:
-            gc.enable()
 
 
 def _verify(schedule: Schedule, mem: MemoryPlan, words, bounds, batch: int, consts: dict, base: int):

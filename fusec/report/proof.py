@@ -18,14 +18,9 @@ from .sections import section, table
 
 def rule_counts(schedule) -> list[dict]:
     """One row per rule: what it was stated over (count), its violations and its time."""
-    import gc
-    was = gc.isenabled()
-    gc.disable()            # as check_schedule does: ~10^6 long-lived objects, nothing to collect
-    try:
+    from fusec.ir.gc_pause import gc_paused
+    with gc_paused():       # as check_schedule does: ~10^6 long-lived objects, nothing to collect
         return _rule_counts(schedule)
-    finally:
-        if was:
-            gc.enable()
 
 
 def _rule_counts(schedule) -> list[dict]:
