@@ -58,9 +58,20 @@ class CompiledStep:
     Every step checks its logits are finite (one `isfinite().all()`): a NaN/Inf row raises
     `NonFiniteLogits` naming the step (and, on the reference backend, the first op that produced
     a non-finite value) instead of returning a meaningless greedy token. On a CUDA device with a
-    backend other than the reference one the check does not sync the host: its result is copied
-    back asynchronously and raised by the next `step` or by `check()` (as the cute runner does
-    for its timeout words). `check_finite=False` turns the check off."""
+    backend other than the reference one (`deferred`) the check does not sync the host: its
+    result is copied back asynchronously and raised by the step after next or by `check()` (as
+    the cute runner does for its timeout words); so is the range check of CUDA-resident tokens
+    and positions, done on the device (the step runs on clamped values). `check_finite=False`
+    turns the finite check off.
+
+    Deferred, with a runner that offers a capturable step (`device_step` and `launched`, as the
+    cute runner does), all the device work of a step is one CUDA graph, captured at the first
+    step: the device range check and clamps, the runner's step (input writes, step counter,
+    launch), the fp32 logits and their finite check, the flags. A step then issues the copies of
+    the inputs into the graph's input buffer, one replay, the asynchronous read-back copies of
+    the flags and of the runner's error words, and a copy of each output (outputs are the
+    caller's to keep across steps). That graph always range-checks and clamps the tokens, also
+    those `generate` feeds back unchecked on the host."""
 
     def __init__(self, graph: Graph, runner, batch: int, max_len: int, device: str, *,
                  check_finite: bool = True, deferred: bool = False):
@@ -76,6 +87,10 @@ class CompiledStep:
         if deferred:
             self._flag_host = torch.ones((2, 2), dtype=torch.bool).pin_memory()
             self._flag_ready = [torch.cuda.Event(), torch.cuda.Event()]
+        # The one-graph step (see the class docstring); a runner without a capturable step (the
+        # reference one) keeps the path of separate launches.
+        self.graphed = deferred and all(callable(getattr(runner, a, None)) for a in ("device_step", "launched"))
+        self._replay = None         # the captured graph's replay, set at the first step
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> StepOutput:
         return self.step(tokens, positions)
@@ -94,7 +109,11 @@ class CompiledStep:
             raise ValueError(f"expected tokens and positions of shape [{self.batch}], got "
                              f"{list(tokens.shape)} and {list(positions.shape)}")
         in_range = None
-        if self.deferred and tokens.is_cuda and positions.is_cuda:
+        if self.graphed:
+            if not self._checks_on_device(tokens, positions):
+                self._host_range_check(tokens, positions, check_tokens)
+            return self._graph_step(tokens, positions)
+        if self._checks_on_device(tokens, positions):
             # Bounds on the device, no host read (which would wait for the step in flight): the
             # flag is read back with the step's other deferred checks, and the kernel runs on
             # clamped values, so it never indexes past the cache or the embedding table.
@@ -106,15 +125,7 @@ class CompiledStep:
             if hi is not None:
                 tokens = tokens.clamp(0, hi - 1)
         else:
-            # one host read per tensor for its bounds (tokens fed back by generate are argmax indices)
-            ends = torch.stack([positions.min(), positions.max()]).tolist()
-            if check_tokens:
-                ends += torch.stack([tokens.min(), tokens.max()]).tolist()
-            if ends[1] >= self.max_len or ends[0] < 0:
-                raise ValueError(f"positions must be in [0, {self.max_len}), got {ends[0]}..{ends[1]}")
-            if check_tokens and (ends[2] < 0 or (self.vocab is not None and ends[3] >= self.vocab)):
-                bad = ends[2] if ends[2] < 0 else ends[3]
-                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab})")
+            self._host_range_check(tokens, positions, check_tokens)
         tokens = tokens.to(device=self.device, dtype=torch.int32)
         positions = positions.to(device=self.device, dtype=torch.int32)
         logits, nxt = self.runner.run(tokens, positions)
@@ -130,6 +141,70 @@ class CompiledStep:
         elif self.check_finite and not bool(torch.isfinite(logits).all()):
             self._raise_nonfinite(k, logits)
         return StepOutput(logits, nxt)
+
+    def _checks_on_device(self, tokens: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Whether the range check of this step's inputs is the deferred one on the device."""
+        return self.deferred and tokens.is_cuda and positions.is_cuda
+
+    def _host_range_check(self, tokens, positions, check_tokens: bool) -> None:
+        # one host read per tensor for its bounds (tokens fed back by generate are argmax indices)
+        ends = torch.stack([positions.min(), positions.max()]).tolist()
+        if check_tokens:
+            ends += torch.stack([tokens.min(), tokens.max()]).tolist()
+        if ends[1] >= self.max_len or ends[0] < 0:
+            raise ValueError(f"positions must be in [0, {self.max_len}), got {ends[0]}..{ends[1]}")
+        if check_tokens and (ends[2] < 0 or (self.vocab is not None and ends[3] >= self.vocab)):
+            bad = ends[2] if ends[2] < 0 else ends[3]
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab})")
+
+    def _graph_step(self, tokens, positions) -> StepOutput:
+        """One step as one graph replay (see the class docstring); inputs already checked on the
+        host where that needs no sync."""
+        if self._replay is None:
+            self._replay = self._capture()
+        self._inp[0].copy_(tokens, non_blocking=True)       # casts; H2D for CPU-resident inputs
+        self._inp[1].copy_(positions, non_blocking=True)
+        logits, nxt, flags = self._replay()
+        self.runner.launched()
+        k, self.steps_run = self.steps_run, self.steps_run + 1
+        slot = k % 2
+        self._flag_host[slot].copy_(flags, non_blocking=True)
+        self._flag_ready[slot].record()
+        # the graph's outputs are overwritten by the next replay: hand out copies
+        logits = logits.clone()
+        self._pending.append((k, logits, slot))
+        return StepOutput(logits, nxt.clone())
+
+    def _capture(self):
+        """The step's device work as one graph; returns its `replay() -> (fp32 logits, next
+        tokens, [finite, in range] flags)`, static tensors overwritten by every replay."""
+        dev = torch.device(self.device)
+        # int64, so a CUDA int64 token past 2**31 is seen out of range before it is narrowed
+        self._inp = torch.zeros((2, self.batch), dtype=torch.int64, device=dev)   # tokens; positions
+        top = self.vocab - 1 if self.vocab is not None else torch.iinfo(torch.int64).max
+        lo = torch.zeros((2, 1), dtype=torch.int64, device=dev)
+        hi = torch.tensor([[top], [self.max_len - 1]], dtype=torch.int64, device=dev)
+
+        def clamp(inp):
+            # the kernel runs on clamped values, so it never indexes past the cache or the table
+            safe = inp.clamp(lo, hi)
+            return safe, (safe == inp).all()
+
+        def finish(logits, in_range):
+            logits = logits.float()
+            ok = torch.isfinite(logits).all() if self.check_finite else torch.ones_like(in_range)
+            return logits, torch.stack([ok, in_range])
+
+        def body():
+            safe, in_range = clamp(self._inp)
+            logits, nxt = self.runner.device_step(safe[0], safe[1])
+            logits, flags = finish(logits, in_range)
+            return logits, nxt, flags
+
+        # Warm-up of the torch ops outside the capture (the kernel itself is not run: a step
+        # has effects): lazy initialisation and kernel loading happen here, not in the capture.
+        finish(self.runner.outputs()[0], clamp(self._inp)[1])
+        return _cuda_graph(body, dev)
 
     def _raise_nonfinite(self, k: int, logits: torch.Tensor) -> None:
         rows = (~torch.isfinite(logits)).any(dim=-1).nonzero().reshape(-1).tolist()
@@ -180,6 +255,26 @@ class CompiledStep:
             out.append(cur.cpu())
         self.check()
         return torch.stack(out)
+
+
+def _cuda_graph(body, device: torch.device):
+    """Capture `body` (device work only: no host sync, no per-step host effect) once into a CUDA
+    graph on a side stream, as `Megakernel.capture_graph` does; returns `replay()`, which
+    re-runs it on the current stream and returns the outputs `body` returned at capture (the
+    same tensors each time, overwritten by every replay)."""
+    cur = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(cur)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(g, stream=side):
+            outs = body()
+    cur.wait_stream(side)
+
+    def replay():
+        g.replay()
+        return outs
+    return replay
 
 
 def _positive(name: str, v, minimum: int = 1) -> int:

@@ -9,6 +9,11 @@ arena once; state (caches) lives in the arena and is zeroed by `reset()`. Every 
 step inputs into the arena, bumps the device step counter, launches, checks the bounded-wait
 error buffer (MegakernelTimeout names the stuck task and event) and returns copies of the
 outputs. The kernel computes in bf16 (fp32 accumulation): precision "fp32" is refused.
+
+A caller that captures more of a step into one CUDA graph (fusec.api's CompiledStep: its input
+checks and logits check around the launch) uses the two halves of `run` instead:
+`device_step` (the capturable device work, no copy, no check) and `launched` (the host
+bookkeeping after each execution of it).
 """
 from __future__ import annotations
 
@@ -103,18 +108,38 @@ class CuteRunner:
             self._write_inputs(tokens, positions)
             kernel.step()
             kernel.check()
-            return [self.mem.tensor(n).clone() for n in self.out_names]
+            return [t.clone() for t in self.outputs()]
         self.check(keep=1)
         self._write_inputs(tokens, positions)
         if self._graph is None:
             self._graph = self.kernel.capture_graph()
         self._graph.replay()
+        self.launched()
+        return [t.clone() for t in self.outputs()]
+
+    def outputs(self) -> list:
+        """The arena's output tensors (logits, next tokens): overwritten by every step."""
+        return [self.mem.tensor(n) for n in self.out_names]
+
+    def device_step(self, tokens, positions) -> list:
+        """The device work of one step of the runner's own kernel, capturable into a CUDA graph
+        (no host sync, no host state): write the inputs (device tensors, any integer dtype) into
+        the arena, step counter += 1, launch. Returns `outputs()` (not copies). Every execution,
+        eager or a replay of a graph holding it, must be followed by one `launched()`: Python
+        code inside a capture runs once, at capture."""
+        self._write_inputs(tokens, positions)
+        self.kernel.step_buf.add_(1)
+        self.kernel.launch()
+        return self.outputs()
+
+    def launched(self) -> None:
+        """Host bookkeeping of one step just enqueued (by `run` or a `device_step`): count it
+        and queue the copy of its error words to a pinned slot, read back by `check`."""
         slot = self.kernel.steps_launched % 2
         self.kernel.steps_launched += 1
         self._err_host[slot].copy_(self.kernel.err[:ERR_WORDS], non_blocking=True)
         self._err_ready[slot].record()
         self._pending.append(slot)
-        return [self.mem.tensor(n).clone() for n in self.out_names]
 
     def check(self, keep: int = 0) -> None:
         """Raise MegakernelTimeout if a step launched by `run` timed out; waits for every pending
@@ -130,5 +155,6 @@ class CuteRunner:
             raise MegakernelTimeout({f.name.lower(): e[f] for f in ErrWord if f != ErrWord.FLAG})
 
     def _write_inputs(self, tokens, positions) -> None:
-        self.mem.tensor("tokens").copy_(tokens.to(self.mem.tensor("tokens").dtype), non_blocking=True)
-        self.mem.tensor("pos").copy_(positions.to(self.mem.tensor("pos").dtype), non_blocking=True)
+        # copy_ casts to the arena's dtype in the same kernel (one launch or graph node each)
+        self.mem.tensor("tokens").copy_(tokens, non_blocking=True)
+        self.mem.tensor("pos").copy_(positions, non_blocking=True)
