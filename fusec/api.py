@@ -182,8 +182,11 @@ class CompiledStep:
         # int64, so a CUDA int64 token past 2**31 is seen out of range before it is narrowed
         self._inp = torch.zeros((2, self.batch), dtype=torch.int64, device=dev)   # tokens; positions
         top = self.vocab - 1 if self.vocab is not None else torch.iinfo(torch.int64).max
-        lo = torch.zeros((2, 1), dtype=torch.int64, device=dev)
-        hi = torch.tensor([[top], [self.max_len - 1]], dtype=torch.int64, device=dev)
+        # Every tensor the graph reads must outlive it: the bounds are kept on self (as locals
+        # they were freed after the capture, their memory reused, and the replays clamped
+        # against whatever was written there: range errors on valid inputs on the H200).
+        self._bounds = lo, hi = (torch.zeros((2, 1), dtype=torch.int64, device=dev),
+                                 torch.tensor([[top], [self.max_len - 1]], dtype=torch.int64, device=dev))
 
         def clamp(inp):
             # the kernel runs on clamped values, so it never indexes past the cache or the table
