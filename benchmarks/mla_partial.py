@@ -1,6 +1,6 @@
 """Check and time the MLA PARTIAL body alone at Kimi K3's shapes, for plan variants.
 
-    python benchmarks/mla_partial.py [--batches 1,4,16] [--variants "mla_head_tiles=3;mla_stage_rows=64"]
+    python benchmarks/mla_partial.py [--batches 1,4,16] [--variants "mla_head_tiles=2;mla_head_tiles=4"]
 
 64 heads, kv_lora 512, rope 64, a 4096-row latent cache, every sequence at position 4095; the
 cache split into the chunks the lowering picks (min(SMs // B, rows / 32)), one task per

@@ -356,11 +356,10 @@ class KernelPlan:
     delay_ns: int = 0
     profile: bool = False       # record per-row timestamps (PROF_OFFSET_WORDS)
     # MLA PARTIAL: heads per block in m16 tiles (a block's output accumulators stay in registers
-    # over the cache) and cache rows per shared-memory stage. 3 tiles: K3's 64 heads in two
-    # blocks. One block of 4 was 30% faster alone (benchmarks/mla_partial.py, cache in L2) but
-    # 47-67 us slower in the slice4-e128 step at B = 4 and 16 (same run).
+    # over the cache). 3 tiles: K3's 64 heads in two blocks. One block of 4 was 30% faster alone
+    # (benchmarks/mla_partial.py, cache in L2) but 47-67 us slower in the slice4-e128 step at
+    # B = 4 and 16 (same run, stop 11: before the stages were double-buffered).
     mla_head_tiles: int = 3
-    mla_stage_rows: int = 32
     mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
 
@@ -371,9 +370,8 @@ class KernelPlan:
             raise ValueError(f"gemv {self.gemv!r} must be 'auto', 'mma' or 'simt'")
         if self.gemv == "mma" and not self._mma_fits():
             raise ValueError("gemv='mma' needs K % 32 == 0 in every GEMV_BF16 row")
-        if not 1 <= self.mla_head_tiles <= 4 or self.mla_stage_rows not in (32, 64):
-            raise ValueError(f"mla_head_tiles {self.mla_head_tiles} must be 1..4, mla_stage_rows "
-                             f"{self.mla_stage_rows} 32 or 64")
+        if not 1 <= self.mla_head_tiles <= 4:
+            raise ValueError(f"mla_head_tiles {self.mla_head_tiles} must be 1..4")
         if self.mxfp4_decode not in ("f16", "lut"):
             raise ValueError(f"mxfp4_decode {self.mxfp4_decode!r} must be 'f16' or 'lut'")
         if self.threads % 32 or not 32 <= self.threads <= 1024:
