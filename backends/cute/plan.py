@@ -338,6 +338,7 @@ class KernelPlan:
     threads: int = 512
     unroll: int = 4
     rows_per_warp: int = 1  # GEMV_BF16 on CUDA cores: rows a warp streams together (share x loads)
+    mma_tiles_per_unit: int = 2  # GEMV_BF16 on tensor cores: 16-row tiles a warp streams together (share x loads)
     # GEMV_BF16 body: "mma" (tensor cores, weights on M, batch on N; needs K % 32 == 0 in every
     # GEMV_BF16 row), "simt" (CUDA-core dot products, one warp per row), "auto": mma at batch > 1
     # when it can, simt at batch 1 (slice4-e128 on the H200: 3535 us simt vs 3675 us mma at B=1;
@@ -370,6 +371,8 @@ class KernelPlan:
             raise ValueError(f"gemv {self.gemv!r} must be 'auto', 'mma' or 'simt'")
         if self.gemv == "mma" and not self._mma_fits():
             raise ValueError("gemv='mma' needs K % 32 == 0 in every GEMV_BF16 row")
+        if self.mma_tiles_per_unit not in (1, 2, 4):
+            raise ValueError(f"mma_tiles_per_unit {self.mma_tiles_per_unit} must be 1, 2 or 4")
         if not 1 <= self.mla_head_tiles <= 4:
             raise ValueError(f"mla_head_tiles {self.mla_head_tiles} must be 1..4")
         if self.mxfp4_decode not in ("f16", "lut"):

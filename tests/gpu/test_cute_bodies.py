@@ -59,6 +59,12 @@ def test_k3_bodies_match_registry(batch):
     tasks += [wl.ew_task(EwOp.ADD, a, add_o, 400, b=b),
               wl.ew_task(EwOp.L2_NORM, a, l2_o, 401, head_dim=64, scale=0.125, eps=1e-6),
               wl.ew_task(EwOp.CONV, a, cy, 402, b=cst, c=cwt)]
+    # EW RMS of a long fp32 row (K3's latent rms_norm, 3584 wide): the vectorised all-warps path,
+    # and an unaligned 3583-wide view of the same rows (the CTA-per-row fallback).
+    xl, gl = r(batch, 3584) * 3.0, (1 + 0.1 * r(3584)).to(BF)
+    rms_o, rms_u = (torch.full((batch, 3584), float("nan"), device="cuda", dtype=BF) for _ in range(2))
+    tasks += [wl.ew_task(EwOp.RMS, xl, rms_o, 403, c=gl, head_dim=3584, eps=1e-6),
+              wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 404, c=gl[1:], head_dim=3583, eps=1e-6)]
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
                       batch=batch, threads=256, name=f"k3b_b{batch}")
     rt = Megakernel(plan)
@@ -79,6 +85,8 @@ def test_k3_bodies_match_registry(batch):
     c_y, c_state = ref("conv_update", (a, cst0, cwt))
     assert wl.rel_err(cy, c_y) < 2e-2
     assert torch.equal(cst.float(), c_state)  # the shifted window is exact
+    assert wl.rel_err(rms_o, ref("rms_norm", (xl, gl), eps=1e-6, out_dtype="bf16")[0]) < 1e-2
+    assert wl.rel_err(rms_u[:, 1:], ref("rms_norm", (xl[:, 1:], gl[1:]), eps=1e-6, out_dtype="bf16")[0]) < 1e-2
     assert Opcode.ROUTER in plan.opcodes
 
 
