@@ -139,7 +139,7 @@ def lower(graph, opts: Options, passes: str = "default", progress=None):
             print(f"// ----- after {name} -----\n{text}")
         if opts.dump_dir:
             idx = names.index(name)
-            ext = "fsched" if p.schedule is not None and p.notes.get("scheduled") else "fir"
+            ext = "fsched" if p.schedule is not None else "fir"
             write_text(Path(opts.dump_dir) / f"{idx:02d}-{name}.{ext}", text)
 
     if progress is not None and names:
@@ -166,7 +166,9 @@ def lower_for_cute(graph, batch: int, max_len: int, sms: int | None = None):
 
 
 def stage_text(prog) -> str:
-    if prog.schedule is not None and prog.notes.get("scheduled"):
+    """The printed stage: the graph, or from `tile` on the schedule (graph, tasks, families;
+    events and queues once scheduled), which `--dump-dir` writes and `parse_schedule` re-reads."""
+    if prog.schedule is not None:
         from fusec.ir.schedule_text import print_schedule
         return print_schedule(prog.schedule)
     return print_graph(prog.graph)
@@ -185,7 +187,7 @@ def write_schedule_outputs(prog, out: Path, full_trace: bool = False) -> list[Pa
     # ranks of a replicated schedule run the same timeline: draw a few, not all 64
     trace = chrome_trace(prog.schedule, ranks=TRACE_RANKS, full=full_trace)
     written.append(write_text(out / "trace.json", json.dumps(trace, separators=(",", ":"))))
-    written.append(write_text(out / "tasks.dot", task_graph_dot(prog.schedule, prog.notes.get("units"))))
+    written.append(write_text(out / "tasks.dot", task_graph_dot(prog.schedule)))
     return written
 
 

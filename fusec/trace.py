@@ -150,15 +150,16 @@ def _compact_trace(s: Schedule, times: dict, ranks: int | None) -> dict:
                                      "for one event per task"}}
 
 
-def task_graph_dot(s: Schedule, units=None) -> str:
-    """DOT of task families; `units` (prog.notes["units"]) gives names and op lists."""
+def task_graph_dot(s: Schedule) -> str:
+    """DOT of the schedule's task families (`s.families`: names, bodies, op kinds, deps)."""
+    if not s.families:
+        raise ValueError("task_graph_dot needs the task families of the tile pass (schedule.families)")
+    kind = {o.outputs[0].name: o.opname for o in s.graph.ops}
     lines = ["digraph tasks {", "  rankdir=TB; node [shape=box, fontsize=9];"]
-    if units is None:
-        raise ValueError("task_graph_dot needs the units of the tile pass (prog.notes['units'])")
-    for u in units:
-        label = f"{u.name}\\n{u.body} x{len(u.task_ids)}\\n" + "\\n".join(o.opname for o in u.ops[:6])
+    for u in s.families:
+        label = f"{u.name}\\n{u.body} x{len(u.task_ids)}\\n" + "\\n".join(kind.get(o, o) for o in u.ops[:6])
         lines.append(f'  "{u.name}" [label="{label}"];')
-    for u in units:
+    for u in s.families:
         for d in sorted(u.deps):
             lines.append(f'  "{d}" -> "{u.name}";')
         if u.body == "comm_push":

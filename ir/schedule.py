@@ -26,6 +26,13 @@ the rank). `materialize()` expands a replicated schedule to explicit tasks for e
 
 `buffers` holds scratch tensors the lowering introduces that are not graph values (comm slot
 buffers of collectives, kind `comm`), with their concrete types.
+
+`families` is the stage between the `tile` and `schedule` passes, kept in the plan after it: the
+task families (one fusion group or part of one, or one side of a collective) in a topological
+order, each with its tasks and the families whose every task it must wait for (`deps`), plus a
+collective's named events and its per-task system-scope waits and signals (`pre`, `post`).
+`overlap` reorders them; `schedule` turns `deps`, `pre` and `post` into WAIT/SIGNAL lines and
+events. `check_families` states what a well-formed list is (the pass manager runs it).
 """
 from __future__ import annotations
 
@@ -114,6 +121,60 @@ class Event:
 
 
 @dataclass
+class Family:
+    """One task family of the tile pass (see the module docstring)."""
+
+    name: str
+    body: str                        # the tasks' body kind ("gemv", "comm_push", ...)
+    ops: tuple[str, ...]             # op results the family computes (as Task.ops)
+    task_ids: list[int]
+    deps: tuple[str, ...] = ()       # families that finish before any of its tasks starts (sorted)
+    collective: bool = False
+    signals_local: bool = True       # its tasks signal the family's own event (someone waits on it)
+    # per task index i: system-scope waits (event name, threshold, peer offset or None) and
+    # signals (event name, peer offset or None) of a collective's tasks
+    pre: dict[int, list[tuple[str, int, int | None]]] = field(default_factory=dict)
+    post: dict[int, list[tuple[str, int | None]]] = field(default_factory=dict)
+    named_events: dict[str, int] = field(default_factory=dict)   # event name -> signals per step
+
+
+def check_families(s: "Schedule") -> None:
+    """Raise ValueError naming the first defect of `s.families`: a task in no family or in two,
+    an unknown task id, a dependency on a family that is not earlier in the list (the order
+    must be topological), a pre/post entry for a task index the family does not have, or a
+    family op the graph does not define. An empty list (a schedule read from a file written
+    without its families) is accepted."""
+    if not s.families:
+        return
+    owner: dict[int, str] = {}
+    seen: set[str] = set()
+    n = len(s.tasks)
+    for f in s.families:
+        if f.name in seen:
+            raise ValueError(f"family '{f.name}' listed twice")
+        for d in f.deps:
+            if d not in seen:
+                raise ValueError(f"family '{f.name}' depends on '{d}', which is not an earlier family")
+        for tid in f.task_ids:
+            if not 0 <= tid < n:
+                raise ValueError(f"family '{f.name}' lists task {tid}, not a task of the schedule")
+            if tid in owner:
+                raise ValueError(f"task {tid} is in families '{owner[tid]}' and '{f.name}'")
+            owner[tid] = f.name
+        for i in (*f.pre, *f.post):
+            if not 0 <= i < len(f.task_ids):
+                raise ValueError(f"family '{f.name}' has a pre/post entry for task index {i} of {len(f.task_ids)}")
+        for o in f.ops:
+            if not s.graph.has_value(o):
+                raise ValueError(f"family '{f.name}' computes unknown value %{o}")
+        seen.add(f.name)
+    missing = n - len(owner)
+    if missing:
+        tid = next(t.id for t in s.tasks if t.id not in owner)
+        raise ValueError(f"{missing} task(s) in no family, the first task {tid}")
+
+
+@dataclass
 class Schedule:
     graph: Graph                     # the per-rank SPMD graph the tasks implement
     dims: dict[str, int]             # bound symbolic dims (B, L)
@@ -125,12 +186,14 @@ class Schedule:
     meta: dict[str, str] = field(default_factory=dict)
     replicated: bool = False         # tasks/events/queues are rank 0's; see the module docstring
     buffers: dict[str, TensorType] = field(default_factory=dict)   # lowering scratch (comm slots)
+    families: list[Family] = field(default_factory=list)          # the tile stage (module docstring)
 
     def task(self, tid: int) -> Task:
         return self.tasks[tid]
 
     def materialize(self) -> "Schedule":
-        """An explicit schedule with every rank's tasks (a copy; identity when not replicated)."""
+        """An explicit schedule with every rank's tasks (a copy; identity when not replicated).
+        The copy has no families: they name rank 0's task ids."""
         if not self.replicated:
             return self
         n, R = len(self.tasks), self.ranks

@@ -42,7 +42,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from .gc_pause import gc_paused
 from .parser import _NAME, _VAR, FirSyntaxError, parse_fir   # one spelling of names and %values for both readers
 from .printer import print_graph
-from .schedule import Event, Instr, InstrKind, Region, Schedule, Scope, Sem, Task
+from .schedule import Event, Family, Instr, InstrKind, Region, Schedule, Scope, Sem, Task
 from .types import DType, Kind, TensorType
 
 GRAMMAR = Path(__file__).with_name("schedule.lark")
@@ -115,8 +115,39 @@ def _cost(c: float) -> str:
     return r
 
 
+def _runs(ids) -> str:
+    """Task ids as `lo:hi` runs (hi exclusive), in list order."""
+    out, i, n = [], 0, len(ids)
+    while i < n:
+        j = i + 1
+        while j < n and ids[j] == ids[j - 1] + 1:
+            j += 1
+        out.append(f"{ids[i]}:{ids[j - 1] + 1}")
+        i = j
+    return ", ".join(out)
+
+
+def _peer(p) -> str:
+    return "" if p is None else f" peer {p}"
+
+
+def _family_text(f: Family) -> str:
+    """`family "name" body ops(...) tasks(runs) deps("a", ...)[ collective][ quiet]`, then a
+    `{ ... }` block of its pre / post / named lines when it has any."""
+    flags = (" collective" if f.collective else "") + ("" if f.signals_local else " quiet")
+    head = (f"  family {json.dumps(f.name)} {f.body} ops({', '.join(f'%{o}' for o in f.ops)}) "
+            f"tasks({_runs(f.task_ids)}) deps({', '.join(json.dumps(d) for d in f.deps)}){flags}")
+    items = [f"    pre {i} {json.dumps(e)} >= {th}{_peer(p)}" for i, lst in sorted(f.pre.items()) for e, th, p in lst]
+    items += [f"    post {i} {json.dumps(e)}{_peer(p)}" for i, lst in sorted(f.post.items()) for e, p in lst]
+    items += [f"    named {json.dumps(e)} per_step {n}" for e, n in f.named_events.items()]
+    if not items:
+        return head
+    return "\n".join([head + " {", *items, "  }"])
+
+
 def print_schedule(s: Schedule) -> str:
-    """Canonical text: the graph, then events, tasks (by id) and queues (by rank, sm)."""
+    """Canonical text: the graph, then events, tasks (by id), families (in their order) and
+    queues (by rank, sm)."""
     dims = ", ".join(f"{k} = {v}" for k, v in s.dims.items())
     rep = " replicated" if getattr(s, "replicated", False) else ""
     out = [print_graph(s.graph).rstrip("\n"),
@@ -145,6 +176,8 @@ def print_schedule(s: Schedule) -> str:
         tile = boxes.get(id(t.tile)) or _box_text(t.tile, boxes)
         append("\n".join([f"  task {t.id} rank {t.rank} sm {t.sm} {t.body_kind} ops({got[1]}) tile {tile} "
                           f"cost {_cost(t.cost_us)} {{", *body, "  }"]))
+    for f in s.families:
+        append(_family_text(f))
     for (rank, sm), ids in sorted(s.queues.items()):
         out.append(f"  queue {rank} {sm} :" + "".join(f" {i}" for i in ids))
     out.append("}\n")                  # the final newline without copying the whole text again
@@ -276,6 +309,30 @@ class _Builder:
         s.tasks.append(Task(int(tid), int(rank), int(sm), str(body), ops, self.box(tile_box),
                             [self.instr(i) for i in instrs], float(cost)))
 
+    def family(self, s, t):
+        name, body, *rest = t.children
+        kind = lambda x: getattr(x, "type", None)  # noqa: E731
+        ops = tuple(_var(x) for x in rest if kind(x) == "VAR")
+        deps = tuple(json.loads(x) for x in rest if kind(x) == "ESCAPED_STRING")
+        flags = {str(x) for x in rest if kind(x) == "FFLAG"}
+        trees = [x for x in rest if isinstance(x, Tree)]
+        ids = [i for sp in trees if sp.data == "span" for i in range(int(sp.children[0]), int(sp.children[1]))]
+        for o in ops:
+            if not self.graph.has_value(o):
+                raise self.err(t, f"family {name} computes unknown value %{o}")
+        f = Family(json.loads(name), str(body), ops, ids, deps, "collective" in flags, "quiet" not in flags)
+        for fb in (x for x in trees if x.data == "fbody"):
+            for it in fb.children:
+                c = it.children
+                peer = int(c[-1].children[0]) if isinstance(c[-1], Tree) else None
+                if it.data == "fpre":
+                    f.pre.setdefault(int(c[0]), []).append((json.loads(c[1]), int(c[2]), peer))
+                elif it.data == "fpost":
+                    f.post.setdefault(int(c[0]), []).append((json.loads(c[1]), peer))
+                else:
+                    f.named_events[json.loads(c[0])] = int(c[1])
+        s.families.append(f)
+
     def queue(self, s, t):
         rank, sm, *ids = t.children
         key = (int(rank), int(sm))
@@ -330,9 +387,14 @@ _RE_META = re.compile(rf"meta ({_NAME}) = ({_STR})")
 _RE_BUFFER = re.compile(rf"buffer ({_VAR}) : (weight|state|act|io|comm) "
                         r"(bf16|f16|f32|fp8e4m3|mxfp4|i32|i64|u8)\[((?:\d+(?:, \d+)*)?)\]")
 _RE_EVENT = re.compile(rf"event (\d+) rank (\d+) ({_STR}) per_step (\d+)")
-_RE_TASK = re.compile(rf"task (\d+) rank (\d+) sm (\d+) ({_NAME}) ops\(((?:{_VAR}(?:, {_VAR})*)?)\) "
+_RE_TASK = re.compile(rf"task (\d+) rank (\d+) sm (-?\d+) ({_NAME}) ops\(((?:{_VAR}(?:, {_VAR})*)?)\) "
                       rf"tile \[({_BOX})\] cost ({_NUM}) \{{")
 _RE_QUEUE = re.compile(r"queue (\d+) (\d+) :((?: \d+)*)")
+_RE_FAMILY = re.compile(rf"family ({_STR}) ({_NAME}) ops\(((?:{_VAR}(?:, {_VAR})*)?)\) tasks\(({_BOX})\) "
+                        rf"deps\(((?:{_STR}(?:, {_STR})*)?)\)( collective)?( quiet)?( \{{)?")
+_RE_FPRE = re.compile(rf"pre (\d+) ({_STR}) >= (\d+)(?: peer (\d+))?")
+_RE_FPOST = re.compile(rf"post (\d+) ({_STR})(?: peer (\d+))?")
+_RE_FNAMED = re.compile(rf"named ({_STR}) per_step (\d+)")
 _RE_BOXTEXT = re.compile(_BOX)
 _RE_AT = re.compile(r"(?: @(\d+))?")
 _NO = object()
@@ -453,6 +515,34 @@ class _FastReader:
             return _COMPUTE
         raise _GiveUp
 
+    def family(self, line: str, it) -> Family:
+        """A family line (and its `{ ... }` block, read from `it`, when the line opens one)."""
+        m = _RE_FAMILY.fullmatch(line)
+        if m is None:
+            raise _GiveUp
+        name, body, ops, runs, deps, coll, quiet, block = m.groups()
+        opt = tuple(o[1:] for o in ops.split(", ")) if ops else ()
+        if not all(self.graph.has_value(o) for o in opt):
+            raise _GiveUp
+        ids = [i for lo, hi in self.box(runs) for i in range(lo, hi)]
+        f = Family(json.loads(name), sys.intern(body), opt, ids, tuple(json.loads(f"[{deps}]")),
+                   coll is not None, quiet is None)
+        if block is None:
+            return f
+        for raw in it:
+            sub = raw.strip(_WS)
+            if sub == "}":
+                return f
+            if (m := _RE_FPRE.fullmatch(sub)) is not None:
+                f.pre.setdefault(int(m[1]), []).append((json.loads(m[2]), int(m[3]), None if m[4] is None else int(m[4])))
+            elif (m := _RE_FPOST.fullmatch(sub)) is not None:
+                f.post.setdefault(int(m[1]), []).append((json.loads(m[2]), None if m[3] is None else int(m[3])))
+            elif (m := _RE_FNAMED.fullmatch(sub)) is not None:
+                f.named_events[json.loads(m[1])] = int(m[2])
+            else:
+                raise _GiveUp
+        raise _GiveUp
+
     def _read(self, lines) -> Schedule:
         graph, ws = self.graph, _WS
         it = iter(lines)
@@ -498,6 +588,8 @@ class _FastReader:
                     instrs.append(ins)
                 else:
                     raise _GiveUp
+            elif c == "f":
+                s.families.append(self.family(line, it))
             elif c == "q":
                 m = _RE_QUEUE.fullmatch(line)
                 if m is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fusec.ir.graph import Op
+from fusec.ir.schedule import Family
 
 MIN_TASK_BYTES = 128 * 1024     # a task streams at least this much (~4 us at its share vs 1.5 us overhead)
 
@@ -29,3 +30,11 @@ class Unit:
     named_events: dict[str, int] = field(default_factory=dict)   # event name -> signals per step
     signals_local: bool = True       # its tasks signal the unit's own event (someone waits on it)
     collective: bool = False
+
+    def family(self) -> Family:
+        """The IR record of this unit (ir.schedule.Family): what later passes and the text see;
+        reads, writes and `after` only served to order the units."""
+        return Family(self.name, self.body, tuple(o.outputs[0].name for o in self.ops), list(self.task_ids),
+                      tuple(sorted(self.deps)), self.collective, self.signals_local,
+                      {i: list(v) for i, v in self.pre.items()}, {i: list(v) for i, v in self.post.items()},
+                      dict(self.named_events))

@@ -81,9 +81,13 @@ def parse_pipeline(spec: str) -> list[str]:
 
 
 def verify_program(prog: Program) -> None:
-    """Raise ValueError naming the broken rule (IR verifier; memory order once scheduled)."""
+    """Raise ValueError naming the broken rule (IR verifier; the task families from `tile` on;
+    memory order once scheduled)."""
+    from fusec.ir.schedule import check_families
     from fusec.ir.verify import verify_graph
     verify_graph(prog.graph)
+    if prog.schedule is not None:
+        check_families(prog.schedule)
     if prog.schedule is not None and prog.notes.get("scheduled"):
         from fusec.passes.memory_order import check_schedule
         report = check_schedule(prog.schedule)

@@ -1,8 +1,8 @@
 """overlap: order task families so that independent compute covers collective transfers.
 
-Requires: `tile` ran (`prog.notes["units"]`, a topological order; collectives already chunked
+Requires: `tile` ran (`prog.schedule.families`, a topological order; collectives already chunked
 per peer offset into a push family, one task per peer, and a local reduce/gather family).
-Ensures: the same units in another topological order in which
+Ensures: the same families in another topological order in which
 - every push family is issued as soon as its operand is ready (transfers start early);
 - every local reduce/gather family is issued only when no ordinary family is ready, so families
   that do not depend on the collective (the shared expert beside the routed experts' combine,
@@ -21,9 +21,9 @@ from .manager import Program, register_pass
 
 @register_pass("overlap")
 def run(prog: Program) -> bool:
-    units = prog.notes.get("units")
-    if units is None:
-        raise ValueError("overlap needs the tile pass first (no units)")
+    units = prog.schedule.families if prog.schedule is not None else None
+    if not units:
+        raise ValueError("overlap needs the tile pass first (no task families)")
     if not any(u.collective for u in units):
         log(prog.opts, "overlap", "no collectives: nothing to overlap")
         return False
@@ -66,5 +66,5 @@ def run(prog: Program) -> bool:
             else:
                 log(prog.opts, "overlap", f"{u.name}: {gap} families issued while its transfers fly")
     changed = [u.name for u in out] != [u.name for u in units]
-    prog.notes["units"] = out
+    prog.schedule.families = out
     return changed

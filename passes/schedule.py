@@ -1,6 +1,6 @@
 """schedule: put the tasks on per-SM queues with a list-scheduling cost model; add events.
 
-Requires: `tile` ran (`prog.schedule` holds tasks without waits, `prog.notes["units"]` the task
+Requires: `tile` ran (`prog.schedule` holds tasks without waits, `prog.schedule.families` the task
 families in a topological order, possibly reordered by `overlap`).
 Ensures: every task has its SM; queues (rank 0; the schedule is replicated) hold task ids in
 issue order; each task body is
@@ -35,13 +35,13 @@ from .manager import Program, register_pass
 @register_pass("schedule")
 def run(prog: Program) -> bool:
     sched = prog.schedule
-    units = prog.notes.get("units")
-    if sched is None or units is None:
-        raise ValueError("schedule needs the tile pass first (no tasks)")
+    units = sched.families if sched is not None else None
+    if not units:
+        raise ValueError("schedule needs the tile pass first (no task families)")
     by_name = {u.name: u for u in units}
     waited = set()
     for u in units:
-        waited |= u.deps
+        waited |= set(u.deps)
     events: list[Event] = []
     ev_id: dict[str, int] = {}
 

@@ -5,8 +5,8 @@ from `prog.opts` (B = batch, L = max_len). Collective ops (all_reduce, reduce_sc
 all_gather, all_to_all_*) may be present (SPMD graph after `shard`).
 Ensures: `prog.schedule` holds a replicated (rank 0) Schedule whose tasks have LOAD, COMPUTE
 and STORE instructions with exact, in-bounds regions (no WAIT/SIGNAL yet, sm = -1), and
-`prog.notes["units"]` lists the task families (`Unit`) in a topological order; `schedule`
-adds events, waits and SM queues.
+`prog.schedule.families` lists the task families (`ir.schedule.Family`) in a topological order;
+`schedule` adds events, waits and SM queues.
 
 How a group becomes tasks (tile sizes and families in `passes/_lowering.py`, the region rules in
 `passes/_regions.py`):
@@ -48,10 +48,10 @@ def run(prog: Program) -> bool:
     split_sequence(g, dims, prog.opts.sms, lambda m: log(prog.opts, "tile", m))
     units, tasks, buffers = build_units(g, dims, prog.opts, lambda m: log(prog.opts, "tile", m))
     sched = Schedule(graph=g, dims=dims, ranks=prog.opts.ranks, sms=prog.opts.sms, tasks=tasks,
-                     events=[], queues={}, replicated=True, buffers=buffers)
+                     events=[], queues={}, replicated=True, buffers=buffers,
+                     families=[u.family() for u in units])
     sched.meta["gpu"] = prog.opts.gpu
     prog.schedule = sched
-    prog.notes["units"] = units
     prog.notes["scheduled"] = False
     log(prog.opts, "tile", f"{len(units)} units, {len(tasks)} tasks")
     return True

@@ -64,8 +64,12 @@ def test_dump_dir_stages_reparse(tmp_path):
                  "--dump-dir", str(dump)]) == 0
     stages = sorted(p.name for p in dump.iterdir())
     assert stages[0].startswith("00-canonicalize") and stages[-1].startswith("06-prefetch")
+    # from tile on, a stage is the schedule text with its task families (the tile and overlap
+    # stages have no events or queues yet); each reads back to the same text
+    assert [p.split(".")[-1] for p in stages] == ["fir"] * 3 + ["fsched"] * 4
     for p in dump.iterdir():
         if p.suffix == ".fir":
             parse_fir_file(p)
         else:
-            parse_schedule_file(p)
+            s = parse_schedule_file(p)
+            assert s.families and print_schedule(s) == p.read_text()

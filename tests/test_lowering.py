@@ -255,7 +255,7 @@ def test_collective_is_pushed_per_peer_with_system_scope():
     acks = sorted(i.peer for i in red.instrs if i.kind is InstrKind.SIGNAL and i.peer is not None)
     assert acks == [1, 2, 3]
     # overlap: the independent GEMV is issued between the pushes and the reduce
-    names = [u.name for u in prog.notes["units"]]
+    names = [u.name for u in s.families]
     assert names.index("r.push") < names.index("side") < names.index("r")
     # materialize: every rank, peers rotated
     m = s.materialize()
@@ -285,7 +285,7 @@ def test_trace_has_one_track_per_sm(tiny):
     assert {(e["pid"], e["tid"]) for e in xs} == {(0, sm) for (_, sm) in s.queues}
     end = max(e["ts"] + e["dur"] for e in xs)
     assert end == pytest.approx(float(s.meta["predicted_step_us"]), rel=1e-6)
-    dot = task_graph_dot(s, tiny.notes["units"])
+    dot = task_graph_dot(s)
     assert dot.startswith("digraph") and dot.count("->") > 0
 
 
@@ -332,3 +332,34 @@ def test_tiny_r2_default_pipeline_passes_the_memory_order_verifier():
     assert rep.ok, rep.first_error()
     m = s.materialize()
     assert {t.rank for t in m.tasks} == {0, 1} and len(m.queues) == 2 * len(s.queues)
+
+
+def test_families_are_the_tile_stage(tiny):
+    """The task families are part of the schedule IR: every task in exactly one family, in a
+    topological order, printed and read back; check_families names each defect."""
+    import copy
+    from fusec.ir.schedule import check_families
+    from fusec.ir.schedule_text import parse_schedule, print_schedule
+    s = tiny.schedule
+    check_families(s)
+    assert sorted(t for f in s.families for t in f.task_ids) == list(range(len(s.tasks)))
+    back = parse_schedule(print_schedule(s))
+    assert back.families == s.families
+    broken = copy.deepcopy(s)
+    broken.families[1].task_ids.append(broken.families[0].task_ids[0])
+    with pytest.raises(ValueError, match=r"task \d+ is in families"):
+        check_families(broken)
+    broken = copy.deepcopy(s)
+    later = next(f for f in broken.families if f.deps)
+    broken.families.remove(later)
+    broken.families.insert(0, later)
+    with pytest.raises(ValueError, match="not an earlier family"):
+        check_families(broken)
+    broken = copy.deepcopy(s)
+    broken.families[-1].task_ids.pop()
+    with pytest.raises(ValueError, match=r"1 task\(s\) in no family"):
+        check_families(broken)
+    broken = copy.deepcopy(s)
+    broken.families[0].task_ids.append(len(s.tasks))
+    with pytest.raises(ValueError, match="not a task of the schedule"):
+        check_families(broken)

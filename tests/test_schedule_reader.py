@@ -24,6 +24,7 @@ def fast_only(text: str):
 def same(a, b) -> bool:
     return (print_schedule(a) == print_schedule(b) and a.tasks == b.tasks and a.events == b.events
             and a.queues == b.queues and a.meta == b.meta and a.buffers == b.buffers and a.dims == b.dims
+            and a.families == b.families
             and (a.ranks, a.sms, a.replicated) == (b.ranks, b.sms, b.replicated))
 
 
@@ -58,6 +59,9 @@ def test_fast_reader_k3_tiny_round_trip(k3_tiny_texts, ranks):
     fast, slow = fast_only(text), parse_schedule(text, "k3.sched", fast=False)
     assert fast is not None
     assert print_schedule(fast) == text
+    assert fast.families and same(fast, slow)            # the task families read back by both readers
+    if ranks > 1:                                         # collectives: pre / post / named events
+        assert any(f.pre for f in fast.families) and any(f.named_events for f in fast.families)
     assert same(fast, slow)
     assert verdict(fast) == verdict(slow)
 
