@@ -16,6 +16,8 @@ from fusec.cli import main
 from fusec.models import kimi_k3
 from fusec.weights import random_weights
 
+from cuda_fakes import fake_events_and_pinning
+
 K3 = "models/kimi_k3.py"
 LM = "language_model.model."
 NAN, INF = float("nan"), float("inf")
@@ -376,15 +378,7 @@ def test_deferred_input_range_check_on_cuda(clean):
 
 def test_deferred_nonfinite_check_logic_on_cpu(clean, monkeypatch):
     """The deferred bookkeeping of the CUDA path, with the pinned copy and event faked on the CPU."""
-
-    class Event:
-        def record(self):
-            pass
-
-        def synchronize(self):
-            pass
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone())
+    fake_events_and_pinning(monkeypatch)
     _deferred_check(clean, "cpu")
 
 

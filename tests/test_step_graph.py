@@ -14,6 +14,8 @@ from fusec.api import CompiledStep, NonFiniteLogits
 from fusec.models import kimi_k3
 from fusec.weights import random_weights
 
+from cuda_fakes import fake_events_and_pinning
+
 K3 = "models/kimi_k3.py"
 B, L, VOCAB = 2, 4, 4096
 
@@ -64,14 +66,7 @@ class GraphableRef:
 def fake_cuda(monkeypatch):
     """No GPU: pinned copies and events as plain CPU ones; the graph replays `body` eagerly into
     the tensors its first replay returned (a real replay rewrites the same static outputs)."""
-    class Event:
-        def record(self):
-            pass
-
-        def synchronize(self):
-            pass
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone())
+    fake_events_and_pinning(monkeypatch)
     captures = []
 
     def cuda_graph(body, device):
