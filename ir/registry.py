@@ -105,6 +105,10 @@ class OpDef:
     # False: never joins an anchor's tile as an epilogue (a reduction over the tiled axis or a
     # change of shape); the tile pass starts a new task family at it
     tile_epilogue: bool = True
+    # collectives: every member's result from every member's operand (fp32, in group index
+    # order) within one group, `group_ref(xs, attrs) -> ys`; what `ref` computes for one rank
+    # alone is the identity of R = 1. The multi-rank reference executor runs it per group.
+    group_ref: Callable[[list, Mapping], list] | None = None
     doc: str = ""
 
     @property

@@ -30,7 +30,7 @@ import torch
 from fusec.ir.graph import Graph
 from fusec.ir.ops.comm import as_rank, group_index, group_members
 from fusec.ir.quant import MXFP4Tensor
-from fusec.ir.registry import Trait
+from fusec.ir.registry import Trait, get_op
 from fusec.ir.types import Kind
 
 from .executor import ExecError, prepare_weights, store, torch_dtype
@@ -140,19 +140,12 @@ def _collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.Tensor
 
 
 def _group_collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.Tensor]:
-    """Results of one collective within one group (operands in group index order)."""
-    r = len(xs)
-    xs = [x.float() for x in xs]
-    if opname == "all_reduce":
-        s = torch.stack(xs).sum(0)
-        return [s.clone() for _ in range(r)]
-    if opname == "reduce_scatter":
-        s = torch.stack(xs).sum(0)
-        return list(s.chunk(r, attrs["dim"]))
-    if opname == "all_gather":
-        cat = torch.cat(xs, attrs["dim"])
-        return [cat.clone() for _ in range(r)]
-    raise ExecError(f"the multi-rank reference executor does not implement collective {opname}")
+    """Results of one collective within one group (operands in group index order): the op's
+    registry entry says what they are (`OpDef.group_ref`)."""
+    fn = get_op(opname).group_ref
+    if fn is None:
+        raise ExecError(f"the multi-rank reference executor does not implement collective {opname}")
+    return fn([x.float() for x in xs], attrs)
 
 
 def run_step_ranks(graph: Graph, full_weights: Mapping, ranks: int, full_state: dict,

@@ -17,7 +17,10 @@ import contextvars
 
 from ..registry import Attr, AttrKind, OpDef, Trait, act, register
 from ..types import DType
+from .._lazy import LazyModule
 from ._util import need
+
+torch = LazyModule("torch")   # imported at the first reference call (ir/_lazy.py)
 
 A = AttrKind
 COMM = frozenset({Trait.collective})
@@ -69,14 +72,29 @@ def _gather_infer(ts, at):
     return [act(shape, x.dtype)]
 
 
+def _all_reduce_group(xs, at):
+    s = torch.stack(xs).sum(0)
+    return [s.clone() for _ in xs]
+
+
+def _reduce_scatter_group(xs, at):
+    return list(torch.stack(xs).sum(0).chunk(len(xs), at["dim"]))
+
+
+def _all_gather_group(xs, at):
+    cat = torch.cat(xs, at["dim"])
+    return [cat.clone() for _ in xs]
+
+
 RANKS = {"ranks": Attr(A.int), "stride": Attr(A.int, 1)}
 register(OpDef("all_reduce", ("x",), ("y",), _same, lambda a, at: [a[0].float()], attrs=RANKS,
-               traits=COMM, doc="sum over ranks"))
+               traits=COMM, group_ref=_all_reduce_group, doc="sum over ranks"))
 register(OpDef("reduce_scatter", ("x",), ("y",), _scatter_infer, lambda a, at: [a[0].float()],
-               attrs={**RANKS, "dim": Attr(A.int, -1)}, traits=COMM,
+               attrs={**RANKS, "dim": Attr(A.int, -1)}, traits=COMM, group_ref=_reduce_scatter_group,
                doc="sum over ranks, each rank keeps its slice of dim"))
 register(OpDef("all_gather", ("x",), ("y",), _gather_infer, lambda a, at: [a[0].float()],
-               attrs={**RANKS, "dim": Attr(A.int, -1)}, traits=COMM, doc="concatenate every rank's slice"))
+               attrs={**RANKS, "dim": Attr(A.int, -1)}, traits=COMM, group_ref=_all_gather_group,
+               doc="concatenate every rank's slice"))
 
 
 def _dispatch_infer(ts, at):
