@@ -43,6 +43,18 @@ class Trait(enum.Enum):
     # its result may be a view of its operand in memory (no data moves): the backends give it
     # no task body of its own
     view = "view"
+    # fusion roles (read by passes/fuse.py):
+    # a row normalisation with a weight: a GEMV may recompute it in every tile as its prologue
+    # (its input is small at decode), and a `mix` takes it as its one epilogue
+    norm = "norm"
+    # mixes several source rows into one (AttnRes): anchors a group with the `norm` that reads
+    # it and grows no other epilogue
+    mix = "mix"
+    # sums per-slot rows with weights (the MoE combine): joins the prologue of the `norm` that
+    # reads it when its inputs are small (cost.PROLOGUE_MAX_BYTES)
+    slot_sum = "slot_sum"
+    # an epilogue that needs its anchor's whole output row (router scoring over all experts)
+    whole_row = "whole_row"
 
 
 class Tiling(enum.Enum):

@@ -63,7 +63,7 @@ def group_anchor(ops: list[Op]) -> Op:
 
 
 def _is_anchor(op: Op) -> bool:
-    return op.opdef.tiling is not None or op.opname == "attn_res"
+    return op.opdef.tiling is not None or Trait.mix in op.opdef.traits
 
 
 def _epilogue_kind(op: Op) -> str | None:
@@ -72,7 +72,7 @@ def _epilogue_kind(op: Op) -> str | None:
         return None
     if Trait.rowwise in t:      # a reduction along the row maps a column tile only within a head
         return _PER_HEAD if Trait.headwise in t else None
-    if op.opname == "router":
+    if Trait.whole_row in t:
         return _WHOLE_ROW
     if Trait.elementwise in t:
         return _ELEMENTWISE
@@ -121,10 +121,10 @@ class _Fuser:
     def attn_res_groups(self) -> None:
         users = self.users()
         for op in self.g.ops:
-            if op.opname != "attn_res":
+            if Trait.mix not in op.opdef.traits:
                 continue
             us = users[op.outputs[0].name]
-            if len(us) == 1 and us[0].opname == "rms_norm" and us[0].group is None:
+            if len(us) == 1 and Trait.norm in us[0].opdef.traits and us[0].group is None:
                 name = self.new_group(op)
                 us[0].group = name
                 self.info[name]["epilogue"].append(us[0].outputs[0].name)
@@ -138,7 +138,7 @@ class _Fuser:
             if Trait.gemv not in anchor.opdef.traits or anchor.group is not None:
                 continue
             p = anchor.inputs[0].producer
-            if p is None or p.group is not None or p.opname != "rms_norm":
+            if p is None or p.group is not None or Trait.norm not in p.opdef.traits:
                 continue
             name = self.new_group(anchor)
             self._fold_norm(anchor, p, name)
@@ -157,7 +157,7 @@ class _Fuser:
         self.info[name]["prologue"].append(norm.outputs[0].name)
         # LatentMoE tail: the expert combine feeding the latent norm joins too, if only it reads it
         c = norm.inputs[0].producer
-        if c is not None and c.opname == "moe_combine" and c.group is None:
+        if c is not None and Trait.slot_sum in c.opdef.traits and c.group is None:
             nbytes = sum(v.type.nbytes(self.prog.opts.dims) for v in c.inputs)
             if nbytes > PROLOGUE_MAX_BYTES:
                 self.say(f"moe_combine %{c.outputs[0].name} not folded: every tile would re-read its "
@@ -202,7 +202,7 @@ class _Fuser:
         self._users = None
         self.users()
         for anchor in list(self.g.ops):
-            if not _is_anchor(anchor) or anchor.opname == "attn_res":
+            if not _is_anchor(anchor) or Trait.mix in anchor.opdef.traits:
                 continue
             name = anchor.group or self.new_group(anchor)
             self._grow(anchor, name, order)

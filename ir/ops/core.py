@@ -78,7 +78,7 @@ def _rms_infer(ts, at):
 register(OpDef("rms_norm", ("x", "w"), ("y",), _rms_infer,
                lambda a, at: [rms_norm_math(a[0], a[1], at["eps"])],
                attrs={"eps": Attr(A.float, 1e-5), "out_dtype": Attr(A.str, "")},
-               traits=frozenset({Trait.rowwise, Trait.tokenwise}), tile_epilogue=False))
+               traits=frozenset({Trait.rowwise, Trait.tokenwise, Trait.norm}), tile_epilogue=False))
 
 
 def _grms_infer(ts, at):
@@ -244,7 +244,7 @@ def _attn_res_ref(a, at):
 
 
 register(OpDef("attn_res", ("norm_w", "proj_w", "*sources"), ("h",), _attn_res_infer, _attn_res_ref,
-               attrs={"eps": Attr(A.float, 1e-5)}, traits=frozenset({Trait.tokenwise}), tile_epilogue=False,
+               attrs={"eps": Attr(A.float, 1e-5)}, traits=frozenset({Trait.tokenwise, Trait.mix}), tile_epilogue=False,
                doc="Block Attention Residual mix: softmax over sources of rms(V_j).(norm_w*proj_w), "
                    "sum of P_j V_j; the last source is the running partial"))
 

@@ -33,7 +33,7 @@ def _router_ref(a, at):
 
 register(OpDef("router", ("logits", "bias"), ("weights", "ids"), _router_infer, _router_ref,
                attrs={"topk": Attr(A.int), "scale": Attr(A.float, 1.0)},
-               traits=frozenset({Trait.tokenwise}), tile_epilogue=False,
+               traits=frozenset({Trait.tokenwise, Trait.whole_row}), tile_epilogue=False,
                doc="sigmoid scores; top-k of scores + bias; weights = scores[ids] / sum * scale"))
 
 
@@ -135,4 +135,4 @@ def _combine_infer(ts, at):
 
 register(OpDef("moe_combine", ("y", "weights"), ("out",), _combine_infer,
                lambda a, at: [(f32(a[0]) * f32(a[1])[..., None]).sum(1)],
-               traits=frozenset({Trait.columnwise}), tile_epilogue=False, doc="sum_j w_j y_j in fp32"))
+               traits=frozenset({Trait.columnwise, Trait.slot_sum}), tile_epilogue=False, doc="sum_j w_j y_j in fp32"))
