@@ -117,6 +117,18 @@ class OpDef:
     # False: never joins an anchor's tile as an epilogue (a reduction over the tiled axis or a
     # change of shape); the tile pass starts a new task family at it
     tile_epilogue: bool = True
+    # operands (by index) besides weights whose bytes the op streams once per step (a cache, a
+    # recurrent state, attention partials): the tile pass sizes a family it anchors by weights
+    # plus these bytes
+    streams: tuple[int, ...] = ()
+    # at least this many tasks when it anchors a family, SMs permitting (latency-bound work, e.g.
+    # one KDA head per task); None: sized by bytes alone
+    min_tasks: Callable[[Mapping], int] | None = None
+    # an op updating a state in place (result 1 aliases a state operand): the box of that
+    # result a task writes when it computes the box `obox` of result 0, given the state's shape,
+    # `state_box(obox, shape, attrs)`; None: result 1 is written whole (or has result 0's box
+    # when the shapes agree)
+    state_box: Callable[[tuple, tuple, Mapping], tuple] | None = None
     # collectives: every member's result from every member's operand (fp32, in group index
     # order) within one group, `group_ref(xs, attrs) -> ys`; what `ref` computes for one rank
     # alone is the identity of R = 1. The multi-rank reference executor runs it per group.

@@ -188,6 +188,7 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
         n = min(ctx.sms, s[-1], max(1, math.ceil(nb / MIN_TASK_BYTES), math.ceil(math.prod(s) / EW_TASK_ELEMENTS)))
         return [fb[:-1] + (r,) for r in splits(s[-1], n, 1)], body
     w = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in ops for v in o.inputs if ctx.kind[v.name] is Kind.weight)
+    w += sum(ctx.nbytes(anchor.inputs[i], ctx.fb[anchor.inputs[i].name]) for i in anchor.opdef.streams)
     tiling = anchor.opdef.tiling
     if tiling is Tiling.experts:
         # Every task takes all (token, slot) pairs for a slice of the output rows: the experts
@@ -203,19 +204,13 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
     if tiling is Tiling.chunks:                      # one task per (cache chunk, batch row)
         return [((c, c + 1), (b, b + 1)) + fb[2:] for c in range(s[0]) for b in range(s[1])], anchor.opname
     if tiling is Tiling.heads:
-        heads = s[1]
-        if anchor.opname == "mla_attention":         # every head reads the whole cache
-            w = ctx.nbytes(anchor.inputs[2], ctx.fb[anchor.inputs[2].name])
-        if anchor.opname == "attention_combine":
-            w = ctx.nbytes(anchor.inputs[0], ctx.fb[anchor.inputs[0].name])
+        heads = s[1]                                 # (every head reads the whole streamed operand)
         n = min(heads, ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
         return [(fb[0], r, fb[2]) for r in splits(heads, n)], anchor.opname
     rules = _cut_rules(ctx, anchor, epi)            # Tiling.columns: ranges of the last dim
-    if anchor.opname == "kda_recurrent":
-        w += ctx.nbytes(anchor.inputs[5], ctx.fb[anchor.inputs[5].name])
     n = min(ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
-    if anchor.opname == "kda_recurrent":   # latency-bound per head: one head per task when SMs allow
-        n = max(n, min(ctx.sms, anchor.attrs["heads"]))
+    if anchor.opdef.min_tasks is not None:   # latency-bound (one KDA head per task) while SMs last
+        n = max(n, min(ctx.sms, anchor.opdef.min_tasks(anchor.attrs)))
     return [fb[:-1] + (r,) for r in _cuts(s[-1], n, tuple(rules))], anchor.opname
 
 

@@ -170,10 +170,8 @@ def _out_rule(ctx, op: Op):
     rest = []               # per further output: (kind of rule, its shape)
     for v in op.outputs[1:]:
         s = ctx.shape[v.name]
-        if op.opname == "kda_recurrent":
-            rest.append((0, s, op.attrs["head_dim"]))
-        elif op.opname == "conv_update":
-            rest.append((1, s, None))
+        if op.opdef.state_box is not None:     # the op's own rule (its registry entry)
+            rest.append((0, s, op.opdef.state_box))
         elif tuple(s) == tuple(ctx.shape[op.outputs[0].name]):
             rest.append((2, s, None))
         else:
@@ -183,9 +181,7 @@ def _out_rule(ctx, op: Op):
         res = [obox]
         for m, s, d in rest:
             if m == 0:
-                res.append((obox[0], (obox[-1][0] // d, obox[-1][1] // d), (0, s[2]), (0, s[3])))
-            elif m == 1:
-                res.append((obox[0], obox[1], (0, s[2])))
+                res.append(d(obox, s, op.attrs))
             elif m == 2:
                 res.append(obox)
             else:

@@ -47,6 +47,7 @@ def _conv_ref(a, at):
 
 register(OpDef("conv_update", ("x", "state", "w"), ("y", "new_state"), _conv_infer, _conv_ref,
                traits=frozenset({Trait.stateful, Trait.elementwise}), aliases={1: 1},
+               state_box=lambda ob, s, at: (ob[0], ob[1], (0, s[2])),   # the tile's channels, whole window
                doc="causal depthwise short conv over [past W-1 inputs, x], then SiLU; shifts the state"))
 
 
@@ -111,6 +112,10 @@ register(OpDef("kda_recurrent", ("q", "k", "v", "g", "beta", "state"), ("o", "ne
                _kda_rec_infer, _kda_rec_ref, attrs={"heads": Attr(A.int), "head_dim": Attr(A.int)},
                traits=frozenset({Trait.stateful}), aliases={1: 5}, cost_fn=_kda_rec_cost,
                tiling=Tiling.columns, tile_step=lambda at: at["head_dim"],
+               streams=(5,), min_tasks=lambda at: at["heads"],
+               # the heads of the tile's columns, each head's whole D x D state
+               state_box=lambda ob, s, at: (ob[0], (ob[-1][0] // at["head_dim"], ob[-1][1] // at["head_dim"]),
+                                            (0, s[2]), (0, s[3])),
                doc="gated delta rule: S <- diag(exp g) S; u = v - k^T S; S += beta k u^T; o = q^T S"))
 
 
@@ -246,7 +251,7 @@ def _mla_attn_ref(a, at):
 
 register(OpDef("mla_attention", ("q_lat", "q_pe", "cache", "pos"), ("o_lat",), _mla_attn_infer,
                _mla_attn_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float)},
-               traits=frozenset({Trait.attention}), tiling=Tiling.heads,
+               traits=frozenset({Trait.attention}), tiling=Tiling.heads, streams=(2,),
                cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (2,)),
                doc="absorbed MLA: softmax([q_lat, q_pe] . cache * scale) over rows 0..pos; P cache[:, :kv_lora]"))
 
@@ -409,5 +414,5 @@ def _combine_parts_ref(a, at):
 
 
 register(OpDef("attention_combine", ("partials",), ("o",), _combine_parts_infer, _combine_parts_ref,
-               tiling=Tiling.heads,
+               tiling=Tiling.heads, streams=(0,),
                doc="merge split-sequence attention partials: softmax-weighted by exp(m_i - max) l_i"))
