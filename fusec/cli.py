@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--passes", default="default", help="pipeline (default: all passes; graph: up to shard; none) or a comma list of passes")
     c.add_argument("--print-ir-after-all", action="store_true", help="print the program after every pass")
     c.add_argument("--dump-dir", help="write every stage as re-parsable text here")
+    c.add_argument("--schedule", default="gz", choices=["gz", "text"],
+                   help="schedule file: gz (schedule.fsched.gz, default: 4 MB for the full K3) or text "
+                        "(schedule.fsched, 55 MB); fusec verify reads both")
     c.add_argument("--trace", default="compact", choices=["compact", "full"],
                    help="trace.json: compact (one track per 16 SMs, one event per task family, a busy-SMs "
                         "counter) or full (one track per SM, one event per task; large for full K3)")
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load a checkpoint holding NaN/Inf or 0xFF (NaN) mxfp4 scales instead of refusing it")
 
     v = sub.add_parser("verify", help="re-check a written schedule; exit 1 on any violation")
-    v.add_argument("path", help="a schedule file (.fsched) or a `fusec compile` output folder")
+    v.add_argument("path", help="a schedule file (.fsched or .fsched.gz) or a `fusec compile` output folder")
 
     s = sub.add_parser("simulate", help="predict decode step time and tokens/s on many GPUs")
     _add_model_args(s)
@@ -173,7 +176,7 @@ def cmd_compile(args) -> int:
     res = compile_to_dir(args.model, args.config, parse_overrides(args.set), out=args.out, emit=args.emit,
                          ranks=args.ranks, batch=args.batch, max_len=args.max_len, passes=args.passes,
                          print_ir_after_all=args.print_ir_after_all, dump_dir=args.dump_dir,
-                         aot=args.aot, trace=args.trace)
+                         aot=args.aot, trace=args.trace, schedule=args.schedule)
     print(res.summary)
     for p in res.written:
         print(f"wrote {p}")

@@ -4,7 +4,9 @@ Outputs (staged in a folder next to <out>, moved there once the whole compile su
   <name>.fir            the canonical graph as declared
   summary.txt           layers, ops, parameters, active parameters, bytes per step (at --batch)
   lowered.fir           the graph after the graph passes (fused, sharded)   [--emit all]
-  schedule.fsched       the static plan (tasks, events, queues)              [--emit all]
+  schedule.fsched.gz    the static plan (tasks, families, events, queues), gzip; `fusec verify`
+                        and `parse_schedule_file` read it as is; --schedule text: plain
+                        schedule.fsched (55 MB for the full K3 instead of 4 MB)  [--emit all]
   verify.txt            the memory-order verifier report                     [--emit all]
   trace.json            predicted timeline (Perfetto / chrome://tracing): one track per 16 SMs
                         and one event per task family; --trace full: one event per task  [--emit all]
@@ -41,7 +43,7 @@ class CompileResult:
 
 def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", ranks=1, batch=1,
                    max_len=4096, passes="default", print_ir_after_all=False, dump_dir=None,
-                   aot=False, trace="compact") -> CompileResult:
+                   aot=False, trace="compact", schedule="gz") -> CompileResult:
     """Compile and write the outputs into `out` (default out/<graph name>).
 
     Everything is written into a staging folder next to `out` and moved there only once the
@@ -56,13 +58,13 @@ def compile_to_dir(model, config=None, overrides=None, *, out=None, emit="all", 
     with staged_dir(out) as stage:
         res = _compile_into(graph, stage, emit=emit, ranks=ranks, batch=batch, max_len=max_len,
                             passes=passes, print_ir_after_all=print_ir_after_all, dump_dir=dump_dir, aot=aot,
-                            trace=trace)
+                            trace=trace, schedule=schedule)
     res.written = [out / p.relative_to(stage) for p in res.written]
     return res
 
 
 def _compile_into(graph, out: Path, *, emit, ranks, batch, max_len, passes, print_ir_after_all, dump_dir,
-                  aot, trace) -> CompileResult:
+                  aot, trace, schedule="gz") -> CompileResult:
     st = graph_stats(graph, {"B": 1, "L": max_len})
     st_batch = st if batch == 1 else graph_stats(graph, {"B": batch, "L": max_len})
     res = CompileResult(format_summary(graph, st, st_batch, batch, max_len))
@@ -80,7 +82,7 @@ def _compile_into(graph, out: Path, *, emit, ranks, batch, max_len, passes, prin
                      passes, progress=bar)
         bar.set_description("fusec: write outputs")
         res.program = prog
-        res.written += write_schedule_outputs(prog, out, full_trace=trace == "full")
+        res.written += write_schedule_outputs(prog, out, full_trace=trace == "full", schedule=schedule)
         bar.update(1)
     res.summary += "\n" + schedule_summary(prog)
     if emit == "cute":
@@ -174,14 +176,17 @@ def stage_text(prog) -> str:
     return print_graph(prog.graph)
 
 
-def write_schedule_outputs(prog, out: Path, full_trace: bool = False) -> list[Path]:
+SCHEDULE_FILES = {"gz": "schedule.fsched.gz", "text": "schedule.fsched"}
+
+
+def write_schedule_outputs(prog, out: Path, full_trace: bool = False, schedule: str = "gz") -> list[Path]:
     written = [write_text(out / "lowered.fir", print_graph(prog.graph))]
     if prog.schedule is None:
         return written
     from fusec.ir.schedule_text import print_schedule
     from fusec.passes.memory_order import check_schedule
     from fusec.trace import chrome_trace, task_graph_dot
-    written.append(write_text(out / "schedule.fsched", print_schedule(prog.schedule)))
+    written.append(write_text(out / SCHEDULE_FILES[schedule], print_schedule(prog.schedule)))
     report = prog.notes.get("memory_order") or check_schedule(prog.schedule)
     written.append(write_text(out / "verify.txt", format_report(report) + "\n"))
     # ranks of a replicated schedule run the same timeline: draw a few, not all 64
@@ -208,7 +213,7 @@ def schedule_summary(prog) -> str:
 
 
 def verify_file(path) -> tuple[bool, str]:
-    """Re-check a schedule file, or the schedule.fsched of a `fusec compile` output folder."""
+    """Re-check a schedule file, or the schedule of a `fusec compile` output folder."""
     from fusec.ir.schedule_text import parse_schedule_file
     from fusec.passes.memory_order import check_schedule
     rep = check_schedule(parse_schedule_file(schedule_path(path)))
@@ -216,15 +221,15 @@ def verify_file(path) -> tuple[bool, str]:
 
 
 def schedule_path(path) -> Path:
-    """`path` itself if it is a file; <path>/schedule.fsched if it is a folder (FileNotFoundError
-    with what was looked for otherwise)."""
+    """`path` itself if it is a file; <path>/schedule.fsched.gz or <path>/schedule.fsched if it
+    is a folder (FileNotFoundError with what was looked for otherwise)."""
     p = Path(path)
     if p.is_dir():
-        sched = p / "schedule.fsched"
-        if not sched.is_file():
-            raise FileNotFoundError(f"{p}: folder has no schedule.fsched (it is written by "
-                                    f"`fusec compile` with --emit all or cute)")
-        return sched
+        for name in SCHEDULE_FILES.values():
+            if (p / name).is_file():
+                return p / name
+        raise FileNotFoundError(f"{p}: folder has no schedule.fsched(.gz) (it is written by "
+                                f"`fusec compile` with --emit all or cute)")
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such schedule file or output folder")
     return p

@@ -2,6 +2,7 @@
 output folders through a staging folder (`staged_dir`)."""
 from __future__ import annotations
 
+import gzip
 import os
 import shutil
 import tempfile
@@ -16,12 +17,17 @@ def _umask() -> int:
 
 
 def write_text(path, text: str) -> Path:
+    """Write `text` to `path` atomically; a `.gz` path is gzip-compressed (level 1, no timestamp:
+    the same text gives the same bytes; a full K3 schedule 55 MB -> 4 MB in ~0.15 s)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if path.suffix == ".gz" else "w") as f:
+            if path.suffix == ".gz":
+                f.write(gzip.compress(text.encode(), compresslevel=1, mtime=0))
+            else:
+                f.write(text)
         os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600; give the usual permissions
         os.replace(tmp, path)
     except BaseException:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import itertools
 import json
 import re
@@ -229,16 +230,21 @@ def _parse_lark(text: str, m, filename: str, graph) -> Schedule:
 
 
 def parse_schedule_file(path, fast: bool = True) -> Schedule:
-    """Parse a schedule file; streams its lines (the 55 MB text of a full model is never held
+    """Parse a schedule file (`.fsched`, or `.fsched.gz` gzip); streams its lines (the 55 MB text of a full model is never held
     whole) unless the fast reader gives up."""
     path = Path(path)
     with gc_paused():
         return _parse_schedule_file(path, fast)
 
 
+def _open_text(path: Path):
+    """The file as text lines; a `.gz` file (what `fusec compile` writes) decompressed as read."""
+    return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
+
+
 def _parse_schedule_file(path: Path, fast: bool) -> Schedule:
     if fast:
-        with open(path) as f:           # the decoding and newline handling of Path.read_text
+        with _open_text(path) as f:     # the decoding and newline handling of Path.read_text
             head = []
             for line in f:
                 if line.startswith("schedule") and _HEADER.match(line):
@@ -252,7 +258,8 @@ def _parse_schedule_file(path: Path, fast: bool) -> Schedule:
                 s = _FastReader(graph).read(itertools.chain((line,), f))
                 if s is not None:
                     return s
-    return _parse_schedule(path.read_text(), str(path), fast=False)
+    with _open_text(path) as f:
+        return _parse_schedule(f.read(), str(path), fast=False)
 
 
 def _var(tok) -> str:

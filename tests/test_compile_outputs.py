@@ -19,7 +19,7 @@ def out_r2(tmp_path_factory):
 
 def test_all_outputs_written(out_r2):
     names = {p.name for p in out_r2.iterdir()}
-    assert {"kimi_k3_tiny.fir", "summary.txt", "lowered.fir", "schedule.fsched", "verify.txt",
+    assert {"kimi_k3_tiny.fir", "summary.txt", "lowered.fir", "schedule.fsched.gz", "verify.txt",
             "trace.json", "tasks.dot"} <= names
     assert not [n for n in names if n.startswith(".")]          # no temporary files left behind
     assert (out_r2 / "verify.txt").read_text().startswith("memory-order verifier (rules V1-V7): OK")
@@ -39,7 +39,7 @@ def test_trace_full_has_one_event_per_task_and_sm(tmp_path):
     out = tmp_path / "full"
     assert main(["compile", "models/kimi_k3.py", "--config", "tiny", "--max-len", "64", "--trace", "full",
                  "-o", str(out)]) == 0
-    sched = parse_schedule_file(out / "schedule.fsched")
+    sched = parse_schedule_file(out / "schedule.fsched.gz")
     tr = json.loads((out / "trace.json").read_text())
     tasks = [e for e in tr["traceEvents"] if e["ph"] == "X"]
     assert len(tasks) == len(sched.tasks)
@@ -47,7 +47,7 @@ def test_trace_full_has_one_event_per_task_and_sm(tmp_path):
 
 
 def test_verify_accepts_the_written_schedule_and_rejects_a_planted_bug(out_r2, tmp_path, capsys):
-    path = out_r2 / "schedule.fsched"
+    path = out_r2 / "schedule.fsched.gz"
     assert main(["verify", str(path)]) == 0
     bad, what = plant(parse_schedule_file(path), "hoist_act_load", seed=1)
     bad_path = tmp_path / "bad.fsched"
@@ -73,3 +73,14 @@ def test_dump_dir_stages_reparse(tmp_path):
         else:
             s = parse_schedule_file(p)
             assert s.families and print_schedule(s) == p.read_text()
+
+
+def test_schedule_text_on_request_is_the_gzip_text(out_r2, tmp_path):
+    """--schedule text writes the plain text; it is the compressed file's text, byte for byte."""
+    import gzip
+    out = tmp_path / "text"
+    assert main(["compile", "models/kimi_k3.py", "--config", "tiny", "--ranks", "2", "--max-len", "64",
+                 "--schedule", "text", "-o", str(out)]) == 0
+    assert not (out / "schedule.fsched.gz").exists()
+    assert (out / "schedule.fsched").read_bytes() == gzip.decompress((out_r2 / "schedule.fsched.gz").read_bytes())
+    assert main(["verify", str(out)]) == 0

@@ -265,7 +265,7 @@ def test_verify_accepts_an_output_folder(tmp_path, capsys):
     capsys.readouterr()
     assert main(["verify", str(out)]) == 0
     by_folder = capsys.readouterr().out
-    assert main(["verify", str(out / "schedule.fsched")]) == 0
+    assert main(["verify", str(out / "schedule.fsched.gz")]) == 0
     assert by_folder == capsys.readouterr().out
     assert by_folder.startswith("memory-order verifier (rules V1-V7): OK")
 
@@ -276,6 +276,6 @@ def test_verify_names_what_it_looked_for(tmp_path, capsys):
     capsys.readouterr()
     assert main(["verify", str(fir_only)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"fusec: error: {fir_only}: folder has no schedule.fsched") and err.count("\n") == 1
+    assert err.startswith(f"fusec: error: {fir_only}: folder has no schedule.fsched(.gz)") and err.count("\n") == 1
     assert main(["verify", str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err == f"fusec: error: {tmp_path / 'nothing'}: no such schedule file or output folder\n"
