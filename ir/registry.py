@@ -124,6 +124,11 @@ class OpDef:
     # at least this many tasks when it anchors a family, SMs permitting (latency-bound work, e.g.
     # one KDA head per task); None: sized by bytes alone
     min_tasks: Callable[[Mapping], int] | None = None
+    # the exact regions a tile reads: `regions(attrs, input shapes, output shape, input full
+    # boxes)` returns f(obox) -> the box of each input (None: not read) needed to compute box
+    # `obox` of result 0; built once per op, called per tile. None: the generic rules of
+    # passes/_regions.py (the op's trait: expert, tokenwise, elementwise-like)
+    regions: Callable[[Mapping, list, tuple, list], Callable] | None = None
     # an op updating a state in place (result 1 aliases a state operand): the box of that
     # result a task writes when it computes the box `obox` of result 0, given the state's shape,
     # `state_box(obox, shape, attrs)`; None: result 1 is written whole (or has result 0's box

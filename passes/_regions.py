@@ -1,5 +1,6 @@
 """Exact regions per op: the box of each input an output tile needs, and the boxes of every
-output given the first one's. Used by the `tile` pass's lowering (`_lowering.py`) and the
+output given the first one's. An op with its own rule states it in its registry entry
+(`OpDef.regions`, `OpDef.state_box`); the rules here are the generic ones, by trait. Used by the `tile` pass's lowering (`_lowering.py`) and the
 verifier's derivation (`_derive.py`); `ctx` is either's context (shapes `ctx.shape`, full boxes
 `ctx.fb`, kinds `ctx.kind`, all by value name).
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 from fusec.ir.graph import Op
 from fusec.ir.registry import Trait
 from fusec.ir.types import Kind
-from fusec.ir.ops.mixers import chunk_rows
 
 
 def full_box(shape) -> tuple[tuple[int, int], ...]:
@@ -71,26 +71,8 @@ def _input_rule(ctx, op: Op):
     sh = [ctx.shape[v.name] for v in op.inputs]
     out = ctx.shape[op.outputs[0].name]
     full = [ctx.fb[v.name] for v in op.inputs]
-    name = op.opname
-    if name == "linear":
-        f0, rows = full[0], (0, sh[1][1])
-        return lambda obox: [f0, (obox[-1], rows)]
-    if name == "mla_q_absorb":                      # obox [B, h0:h1, lora]
-        per = op.attrs["nope"] + op.attrs["v_dim"]
-        f0, f1 = full[0], full[1]
-
-        def mla_q_absorb(obox):
-            h0, h1 = obox[1]
-            return [(f0[0], (h0, h1), f0[2]), ((h0 * per, h1 * per), f1[1])]
-        return mla_q_absorb
-    if name == "mla_v_up":                          # obox [B, h0*vd:h1*vd]
-        vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
-        f0, f1 = full[0], full[1]
-
-        def mla_v_up(obox):
-            h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
-            return [(f0[0], (h0, h1), f0[2]), ((h0 * per, h1 * per), f1[1])]
-        return mla_v_up
+    if op.opdef.regions is not None:                # the op's own rule (its registry entry)
+        return op.opdef.regions(op.attrs, sh, out, full)
     if Trait.expert in op.opdef.traits:             # obox [b, k, rows]; weights of every expert
         n, two_d = len(sh), len(sh[0]) == 2
 
@@ -101,55 +83,6 @@ def _input_rule(ctx, op: Op):
             x = (b, full[0][1]) if two_d else (b, k, full[0][2])
             return [x, (b, full[1][1])] + w
         return expert
-    if name == "mla_attention_naive":               # obox [B, h*vd]
-        vd, per = op.attrs["v_dim"], op.attrs["nope"] + op.attrs["v_dim"]
-
-        def mla_attention_naive(obox):
-            h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
-            return [(full[0][0], (h0, h1), full[0][2]), (full[1][0], (h0, h1), full[1][2]), full[2],
-                    ((h0 * per, h1 * per), full[3][1]), full[4]]
-        return mla_attention_naive
-    if name == "mla_attention_partial":             # obox [c0:c1, B, H, lora+2]: cache chunk rows
-        def mla_attention_partial(obox):
-            L, S = sh[2][1], op.attrs["chunks"]
-            rows = (chunk_rows(L, S, obox[0][0])[0], chunk_rows(L, S, obox[0][1] - 1)[1])
-            b = obox[1]                             # the batch rows of q, the cache and pos
-            return [(b,) + full[0][1:], (b,) + full[1][1:], (b, rows, full[2][2]), (b,)]
-        return mla_attention_partial
-    if name == "moe_combine":                       # obox [b, c0:c1]: every slot's columns c0:c1
-        return lambda obox: [(obox[0], full[0][1], obox[1]), (obox[0], full[1][1])]
-    if name == "attention_combine":                 # obox [B, h0:h1, D]
-        return lambda obox: [(full[0][0], full[0][1], obox[1], full[0][3])]
-    if name == "cache_append":                      # writes row pos[b]; reads no cache row
-        return lambda obox: [None, full[1], full[2]]
-    if name == "mla_attention":                     # obox [B, h0:h1, lora]
-        def mla_attention(obox):
-            hb = obox[1]
-            return [(full[0][0], hb, full[0][2]), (full[1][0], hb, full[1][2]), full[2], full[3]]
-        return mla_attention
-    if name == "attention":                         # obox [B, h0*D:h1*D]; kv heads of the group
-        d, grp = op.attrs["head_dim"], op.attrs["heads"] // op.attrs["kv_heads"]
-
-        def attention(obox):
-            h0, h1 = obox[-1][0] // d, obox[-1][1] // d
-            kv = ((h0 // grp) * d, ((h1 - 1) // grp + 1) * d)
-            return [obox, (full[1][0], full[1][1], kv), (full[2][0], full[2][1], kv), full[3]]
-        return attention
-    if name == "kda_recurrent":                     # obox [B, h0*D:h1*D]
-        d = op.attrs["head_dim"]
-
-        def kda_recurrent(obox):
-            h0, h1 = obox[-1][0] // d, obox[-1][1] // d
-            return [obox] * 4 + [(obox[0], (h0, h1)), (obox[0], (h0, h1), full[5][2], full[5][3])]
-        return kda_recurrent
-    if name == "conv_update":
-        return lambda obox: [obox, (obox[0], obox[1], full[1][2]), (obox[1], full[2][1], full[2][2])]
-    if name == "embedding":
-        return lambda obox: [(full[0][0], obox[-1]), full[1]]
-    if name == "slice":                             # the same box, shifted along the sliced dim
-        d = op.attrs["dim"] % len(out)
-        st = op.attrs["start"]
-        return lambda obox: [tuple((a + st, b + st) if i == d else (a, b) for i, (a, b) in enumerate(obox))]
     same = [tuple(s) == tuple(out) for s in sh]
     if Trait.tokenwise in op.opdef.traits:          # rows of obox: the same rows of batch-major inputs
         # per input: the tile's box, the whole value, or the tile's rows of it

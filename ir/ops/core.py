@@ -39,9 +39,14 @@ def _embedding_cost(ins, outs, at, dims):
     return Cost(n * row + ins[1].nbytes(dims), outs[0].nbytes(dims), 0.0)
 
 
+def _embedding_regions(at, sh, out, full):
+    """Columns c0:c1 of every row of the table (which rows is known at run time), all ids."""
+    return lambda obox: [(full[0][0], obox[-1]), full[1]]
+
+
 register(OpDef("embedding", ("table", "ids"), ("out",), _embedding_infer,
                lambda a, at: [f32(a[0])[a[1].long()]], cost_fn=_embedding_cost,
-               addressed_by={0: 1}, tile_epilogue=False, doc="rows of a table selected by token ids"))
+               addressed_by={0: 1}, tile_epilogue=False, doc="rows of a table selected by token ids", regions=_embedding_regions))
 
 
 # -- linear ----------------------------------------------------------------------------------
@@ -61,10 +66,16 @@ def _linear_cost(ins, outs, at, dims):
     return Cost(c.bytes_read, c.bytes_written, 2.0 * m * n * k)
 
 
+def _linear_regions(at, sh, out, full):
+    """Output columns c0:c1 read all of x and weight rows c0:c1."""
+    f0, rows = full[0], (0, sh[1][1])
+    return lambda obox: [f0, (obox[-1], rows)]
+
+
 register(OpDef("linear", ("x", "w"), ("y",), _linear_infer,
                lambda a, at: [f32(a[0]) @ f32(a[1]).T],
                attrs={"out_dtype": Attr(A.str, "bf16")}, traits=frozenset({Trait.gemv}),
-               tiling=Tiling.columns, cost_fn=_linear_cost, doc="y = x @ w^T, w [N, K] in bf16 or mxfp4; fp32 accumulate"))
+               tiling=Tiling.columns, cost_fn=_linear_cost, doc="y = x @ w^T, w [N, K] in bf16 or mxfp4; fp32 accumulate", regions=_linear_regions))
 
 
 # -- norms -----------------------------------------------------------------------------------
@@ -198,10 +209,17 @@ def _slice_infer(ts, at):
     return [act(shape, x.dtype)]
 
 
+def _slice_regions(at, sh, out, full):
+    """The same box, shifted along the sliced dim."""
+    d = at["dim"] % len(out)
+    st = at["start"]
+    return lambda obox: [tuple((a + st, b + st) if i == d else (a, b) for i, (a, b) in enumerate(obox))]
+
+
 register(OpDef("slice", ("x",), ("y",), _slice_infer,
                lambda a, at: [a[0].narrow(at["dim"], at["start"], at["end"] - at["start"])],
                attrs={"dim": Attr(A.int), "start": Attr(A.int), "end": Attr(A.int)},
-               traits=frozenset({Trait.elementwise, Trait.view})))
+               traits=frozenset({Trait.elementwise, Trait.view}), regions=_slice_regions))
 
 
 def _concat_infer(ts, at):

@@ -45,10 +45,15 @@ def _conv_ref(a, at):
     return [F.silu(y), window[..., 1:]]
 
 
+def _conv_regions(at, sh, out, full):
+    """Channels of the tile: x's box, their window of the state, their weights."""
+    return lambda obox: [obox, (obox[0], obox[1], full[1][2]), (obox[1], full[2][1], full[2][2])]
+
+
 register(OpDef("conv_update", ("x", "state", "w"), ("y", "new_state"), _conv_infer, _conv_ref,
                traits=frozenset({Trait.stateful, Trait.elementwise}), aliases={1: 1},
                state_box=lambda ob, s, at: (ob[0], ob[1], (0, s[2])),   # the tile's channels, whole window
-               doc="causal depthwise short conv over [past W-1 inputs, x], then SiLU; shifts the state"))
+               doc="causal depthwise short conv over [past W-1 inputs, x], then SiLU; shifts the state", regions=_conv_regions))
 
 
 # -- KDA gate and recurrence -----------------------------------------------------------------
@@ -108,6 +113,16 @@ def _kda_rec_cost(ins, outs, at, dims):
     return Cost(s + small, s + outs[0].nbytes(dims), 8.0 * ins[5].numel(dims))
 
 
+def _kda_rec_regions(at, sh, out, full):
+    """obox [B, h0*D:h1*D]: the heads' q, k, v, g columns, beta heads and whole D x D states."""
+    d = at["head_dim"]
+
+    def kda_recurrent(obox):
+        h0, h1 = obox[-1][0] // d, obox[-1][1] // d
+        return [obox] * 4 + [(obox[0], (h0, h1)), (obox[0], (h0, h1), full[5][2], full[5][3])]
+    return kda_recurrent
+
+
 register(OpDef("kda_recurrent", ("q", "k", "v", "g", "beta", "state"), ("o", "new_state"),
                _kda_rec_infer, _kda_rec_ref, attrs={"heads": Attr(A.int), "head_dim": Attr(A.int)},
                traits=frozenset({Trait.stateful}), aliases={1: 5}, cost_fn=_kda_rec_cost,
@@ -116,7 +131,7 @@ register(OpDef("kda_recurrent", ("q", "k", "v", "g", "beta", "state"), ("o", "ne
                # the heads of the tile's columns, each head's whole D x D state
                state_box=lambda ob, s, at: (ob[0], (ob[-1][0] // at["head_dim"], ob[-1][1] // at["head_dim"]),
                                             (0, s[2]), (0, s[3])),
-               doc="gated delta rule: S <- diag(exp g) S; u = v - k^T S; S += beta k u^T; o = q^T S"))
+               doc="gated delta rule: S <- diag(exp g) S; u = v - k^T S; S += beta k u^T; o = q^T S", regions=_kda_rec_regions))
 
 
 # -- caches ----------------------------------------------------------------------------------
@@ -139,9 +154,14 @@ def _append_cost(ins, outs, at, dims):
     return Cost(ins[1].nbytes(dims) + ins[2].nbytes(dims), ins[1].nbytes(dims), 0.0)
 
 
+def _append_regions(at, sh, out, full):
+    """Writes row pos[b]; reads no cache row, the whole new row and pos."""
+    return lambda obox: [None, full[1], full[2]]
+
+
 register(OpDef("cache_append", ("cache", "row", "pos"), ("new_cache",), _append_infer, _append_ref,
                traits=frozenset({Trait.stateful}), aliases={0: 0}, addressed_by={0: 2},
-               tile_epilogue=False, cost_fn=_append_cost, doc="cache[b, pos[b]] = row[b]"))
+               tile_epilogue=False, cost_fn=_append_cost, doc="cache[b, pos[b]] = row[b]", regions=_append_regions))
 
 
 def _masked_softmax(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -204,11 +224,22 @@ def _mla_naive_ref(a, at):
     return [torch.einsum("bhl,blhv->bhv", p, v).flatten(-2)]
 
 
+def _mla_naive_regions(at, sh, out, full):
+    """obox [B, h*vd]: the heads' queries, the whole cache, the heads' rows of kv_b, pos."""
+    vd, per = at["v_dim"], at["nope"] + at["v_dim"]
+
+    def mla_attention_naive(obox):
+        h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
+        return [(full[0][0], (h0, h1), full[0][2]), (full[1][0], (h0, h1), full[1][2]), full[2],
+                ((h0 * per, h1 * per), full[3][1]), full[4]]
+    return mla_attention_naive
+
+
 register(OpDef("mla_attention_naive", ("q_nope", "q_pe", "cache", "kv_b", "pos"), ("o",),
                _mla_naive_infer, _mla_naive_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float)},
                traits=frozenset({Trait.attention}), tiling=Tiling.columns, tile_step=lambda at: at["v_dim"],
                cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (2,)),
-               doc="MLA over the latent cache, keys and values decompressed with kv_b (unabsorbed)"))
+               doc="MLA over the latent cache, keys and values decompressed with kv_b (unabsorbed)", regions=_mla_naive_regions))
 
 
 def _q_absorb_infer(ts, at):
@@ -224,9 +255,20 @@ def _q_absorb_ref(a, at):
     return [torch.einsum("bhn,hnd->bhd", f32(a[0]), w_uk)]
 
 
+def _q_absorb_regions(at, sh, out, full):
+    """obox [B, h0:h1, lora]: the heads' q_nope and their rows of kv_b."""
+    per = at["nope"] + at["v_dim"]
+    f0, f1 = full[0], full[1]
+
+    def mla_q_absorb(obox):
+        h0, h1 = obox[1]
+        return [(f0[0], (h0, h1), f0[2]), ((h0 * per, h1 * per), f1[1])]
+    return mla_q_absorb
+
+
 register(OpDef("mla_q_absorb", ("q_nope", "kv_b"), ("q_lat",), _q_absorb_infer, _q_absorb_ref,
                attrs=MLA_ATTRS, traits=frozenset({Trait.gemv}), tiling=Tiling.heads,
-               doc="per head q_lat = q_nope W_UK (W_UK = the key rows of kv_b)"))
+               doc="per head q_lat = q_nope W_UK (W_UK = the key rows of kv_b)", regions=_q_absorb_regions))
 
 
 def _mla_attn_infer(ts, at):
@@ -249,11 +291,19 @@ def _mla_attn_ref(a, at):
     return [torch.einsum("bhl,bld->bhd", p, c[..., :lora])]
 
 
+def _mla_attn_regions(at, sh, out, full):
+    """obox [B, h0:h1, lora]: the heads' queries, the whole cache, pos."""
+    def mla_attention(obox):
+        hb = obox[1]
+        return [(full[0][0], hb, full[0][2]), (full[1][0], hb, full[1][2]), full[2], full[3]]
+    return mla_attention
+
+
 register(OpDef("mla_attention", ("q_lat", "q_pe", "cache", "pos"), ("o_lat",), _mla_attn_infer,
                _mla_attn_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float)},
                traits=frozenset({Trait.attention}), tiling=Tiling.heads, streams=(2,),
                cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (2,)),
-               doc="absorbed MLA: softmax([q_lat, q_pe] . cache * scale) over rows 0..pos; P cache[:, :kv_lora]"))
+               doc="absorbed MLA: softmax([q_lat, q_pe] . cache * scale) over rows 0..pos; P cache[:, :kv_lora]", regions=_mla_attn_regions))
 
 
 def _v_up_infer(ts, at):
@@ -269,9 +319,20 @@ def _v_up_ref(a, at):
     return [torch.einsum("bhd,hvd->bhv", f32(a[0]), w_uv).flatten(-2)]
 
 
+def _v_up_regions(at, sh, out, full):
+    """obox [B, h0*vd:h1*vd]: the heads' o_lat and their rows of kv_b."""
+    vd, per = at["v_dim"], at["nope"] + at["v_dim"]
+    f0, f1 = full[0], full[1]
+
+    def mla_v_up(obox):
+        h0, h1 = obox[-1][0] // vd, obox[-1][1] // vd
+        return [(f0[0], (h0, h1), f0[2]), ((h0 * per, h1 * per), f1[1])]
+    return mla_v_up
+
+
 register(OpDef("mla_v_up", ("o_lat", "kv_b"), ("o",), _v_up_infer, _v_up_ref, attrs=MLA_ATTRS,
                traits=frozenset({Trait.gemv}), tiling=Tiling.columns, tile_step=lambda at: at["v_dim"],
-               doc="per head o = o_lat W_UV^T (W_UV = the value rows of kv_b)"))
+               doc="per head o = o_lat W_UV^T (W_UV = the value rows of kv_b)", regions=_v_up_regions))
 
 
 # -- Llama: RoPE and GQA attention ----------------------------------------------------------
@@ -338,6 +399,17 @@ def _gqa_ref(a, at):
     return [torch.einsum("bkgl,blkd->bkgd", p, v).flatten(1)]
 
 
+def _gqa_regions(at, sh, out, full):
+    """obox [B, h0*D:h1*D]: the query heads, the kv heads of their groups, pos."""
+    d, grp = at["head_dim"], at["heads"] // at["kv_heads"]
+
+    def attention(obox):
+        h0, h1 = obox[-1][0] // d, obox[-1][1] // d
+        kv = ((h0 // grp) * d, ((h1 - 1) // grp + 1) * d)
+        return [obox, (full[1][0], full[1][1], kv), (full[2][0], full[2][1], kv), full[3]]
+    return attention
+
+
 register(OpDef("attention", ("q", "k_cache", "v_cache", "pos"), ("o",), _gqa_infer, _gqa_ref,
                attrs={"heads": Attr(A.int), "kv_heads": Attr(A.int), "head_dim": Attr(A.int),
                       "scale": Attr(A.float)},
@@ -345,7 +417,7 @@ register(OpDef("attention", ("q", "k_cache", "v_cache", "pos"), ("o",), _gqa_inf
                # whole groups of the heads that share one kv head (whole heads with them)
                tile_step=lambda at: at["head_dim"] * at["heads"] // at["kv_heads"],
                cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (1, 2)),
-               doc="grouped-query attention of one new token over cache rows 0..pos"))
+               doc="grouped-query attention of one new token over cache rows 0..pos", regions=_gqa_regions))
 
 
 # -- split-sequence attention (added by the tile pass for long caches) ----------------------
@@ -390,11 +462,21 @@ def _mla_partial_cost(ins, outs, at, dims):
     return Cost(c.bytes_read, outs[0].nbytes(dims), c.flops)
 
 
+def _mla_partial_regions(at, sh, out, full):
+    """obox [c0:c1, B, H, lora+2]: the chunks' cache rows of the tile's batch rows."""
+    def mla_attention_partial(obox):
+        L, S = sh[2][1], at["chunks"]
+        rows = (chunk_rows(L, S, obox[0][0])[0], chunk_rows(L, S, obox[0][1] - 1)[1])
+        b = obox[1]                             # the batch rows of q, the cache and pos
+        return [(b,) + full[0][1:], (b,) + full[1][1:], (b, rows, full[2][2]), (b,)]
+    return mla_attention_partial
+
+
 register(OpDef("mla_attention_partial", ("q_lat", "q_pe", "cache", "pos"), ("partials",), _mla_partial_infer,
                _mla_partial_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float), "chunks": Attr(A.int)},
                traits=frozenset({Trait.attention}), tiling=Tiling.chunks, cost_fn=_mla_partial_cost,
                doc="absorbed MLA over `chunks` slices of the cache rows (split-sequence): per chunk "
-                   "[o (normalised in the chunk), max score m, sum l]; attention_combine merges them"))
+                   "[o (normalised in the chunk), max score m, sum l]; attention_combine merges them", regions=_mla_partial_regions))
 
 
 def _combine_parts_infer(ts, at):
@@ -413,6 +495,11 @@ def _combine_parts_ref(a, at):
     return [(w[..., None] * o).sum(0) / w.sum(0)[..., None]]
 
 
+def _combine_parts_regions(at, sh, out, full):
+    """obox [B, h0:h1, D]: every chunk's partial rows of those heads."""
+    return lambda obox: [(full[0][0], full[0][1], obox[1], full[0][3])]
+
+
 register(OpDef("attention_combine", ("partials",), ("o",), _combine_parts_infer, _combine_parts_ref,
                tiling=Tiling.heads, streams=(0,),
-               doc="merge split-sequence attention partials: softmax-weighted by exp(m_i - max) l_i"))
+               doc="merge split-sequence attention partials: softmax-weighted by exp(m_i - max) l_i", regions=_combine_parts_regions))

@@ -133,6 +133,11 @@ def _combine_infer(ts, at):
     return [act((y.shape[0], y.shape[2]), DType.f32)]
 
 
+def _moe_combine_regions(at, sh, out, full):
+    """obox [b, c0:c1]: every slot's columns c0:c1 of those rows, their weights."""
+    return lambda obox: [(obox[0], full[0][1], obox[1]), (obox[0], full[1][1])]
+
+
 register(OpDef("moe_combine", ("y", "weights"), ("out",), _combine_infer,
                lambda a, at: [(f32(a[0]) * f32(a[1])[..., None]).sum(1)],
-               traits=frozenset({Trait.columnwise, Trait.slot_sum}), tile_epilogue=False, doc="sum_j w_j y_j in fp32"))
+               traits=frozenset({Trait.columnwise, Trait.slot_sum}), tile_epilogue=False, doc="sum_j w_j y_j in fp32", regions=_moe_combine_regions))
