@@ -129,6 +129,9 @@ class OpDef:
     # `obox` of result 0; built once per op, called per tile. None: the generic rules of
     # passes/_regions.py (the op's trait: expert, tokenwise, elementwise-like)
     regions: Callable[[Mapping, list, tuple, list], Callable] | None = None
+    # a window of operand 0 along one dim: `window(attrs) -> (dim, start, end)`, the elements
+    # [start, end) it keeps (a slice); its result is operand 0's memory from `start` on (a view)
+    window: Callable[[Mapping], tuple[int, int, int]] | None = None
     # an op updating a state in place (result 1 aliases a state operand): the box of that
     # result a task writes when it computes the box `obox` of result 0, given the state's shape,
     # `state_box(obox, shape, attrs)`; None: result 1 is written whole (or has result 0's box

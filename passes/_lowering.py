@@ -109,13 +109,19 @@ def _epilogue_ok(ctx: _Ctx, op: Op, anchor: Op, inside: set[str]) -> str | None:
     d = _driver(op, inside)
     if d is None:
         return "reads nothing the tile computes"
-    if op.opname == "slice":
-        return None if op.attrs["dim"] in (-1, len(ctx.shape[d.name]) - 1) else "a slice across rows"
+    if op.opdef.window is not None:
+        return None if op.opdef.window(op.attrs)[0] in (-1, len(ctx.shape[d.name]) - 1) else "a slice across rows"
     if ctx.shape[op.outputs[0].name] != ctx.shape[d.name]:
         return "changes the tile's shape"
     if Trait.elementwise in op.opdef.traits or Trait.headwise in op.opdef.traits:
         return None
     return f"{op.opname} is not elementwise"
+
+
+def _window_start(o: Op) -> int:
+    """Where `o`'s result starts in its operand's last dim: a window's start (a slice of a merged
+    projection's output), else 0."""
+    return o.opdef.window(o.attrs)[1] if o.opdef.window is not None else 0
 
 
 def _cut_rules(ctx: _Ctx, anchor: Op, epi: list[Op]) -> list[tuple[int, int, int]]:
@@ -131,7 +137,7 @@ def _cut_rules(ctx: _Ctx, anchor: Op, epi: list[Op]) -> list[tuple[int, int, int
         d = _driver(o, set(off))
         if d is None:
             continue
-        base = off[d.name] + (o.attrs["start"] if o.opname == "slice" else 0)
+        base = off[d.name] + _window_start(o)
         for v in o.outputs[:1]:
             off[v.name] = base
         hd = o.attrs.get("head_dim") if Trait.headwise in o.opdef.traits else None
@@ -253,7 +259,7 @@ def _partition(ctx: _Ctx, ops: list[Op]) -> list[tuple[list[Op], list[Op], Op | 
             why = "it combines different slices of the tile (rows a tile does not hold together)"
         if why is None:
             if mine:
-                off[o.outputs[0].name] = mine.pop() + (o.attrs["start"] if o.opname == "slice" else 0)
+                off[o.outputs[0].name] = mine.pop() + _window_start(o)
             epi.append(o)
             inside |= {v.name for v in o.outputs}
         else:
@@ -303,8 +309,8 @@ def op_box_rule(o: Op):
         return lambda boxes, tile: tile
     # the driver (`_driver`) is the first operand made in the unit, i.e. with a box so far
     cands = [(v.name, v.producer is not None) for v in o.inputs]
-    if o.opname == "slice":
-        attrs = o.attrs
+    if o.opdef.window is not None:
+        _, start, end = o.opdef.window(o.attrs)
 
         def slice_box(boxes, tile):
             for name, made in cands:
@@ -316,8 +322,7 @@ def op_box_rule(o: Op):
                 return None
             db = boxes[name]
             lo, hi = db[-1]
-            start = attrs["start"]
-            a, b = max(lo, start), min(hi, attrs["end"])
+            a, b = max(lo, start), min(hi, end)
             if a >= b:
                 return None
             return db[:-1] + ((a - start, b - start),)

@@ -63,7 +63,7 @@ def plan_degrees(g: Graph, R: int, below: int = 0) -> tuple[int, int]:
 def source_rows(users_of: dict, op: Op) -> list[int]:
     """Row counts of a merged weight's sources, read off canonicalize's slices of the output."""
     users = users_of[op.outputs[0].name]
-    if not users or any(u.opname != "slice" for u in users):
+    if not users or any(u.opdef.window is None for u in users):
         raise ShardError(f"shard: merged linear %{op.outputs[0].name} must be read only through slices")
-    bounds = sorted({(u.attrs["start"], u.attrs["end"]) for u in users})
+    bounds = sorted({u.opdef.window(u.attrs)[1:] for u in users})
     return [e - s for s, e in bounds]

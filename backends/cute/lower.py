@@ -244,9 +244,9 @@ class _TaskLowering(MixerLowering):
             out = op.outputs[0].name
             if Trait.view in op.opdef.traits:
                 src = op.inputs[0].name
-                if src in cols and op.opname == "slice":
+                if src in cols and op.opdef.window is not None:
                     lo, hi = cols[src]
-                    st, en = int(op.attrs["start"]), int(op.attrs["end"])
+                    _, st, en = (int(x) for x in op.opdef.window(op.attrs))
                     cols[out] = (max(lo, st) - st, max(min(hi, en) - st, max(lo, st) - st))
                 elif src in cols:
                     cols[out] = cols[src]

@@ -144,9 +144,9 @@ def build_memory_plan(graph: Graph, dims: dict, scratch: dict[str, TensorType] |
             shape = tuple(out.type.concrete(dims))
             if ri in d.aliases:  # updated in place: the result is the operand's storage
                 mp.alias(out.name, mp.view(op.inputs[d.aliases[ri]].name))
-            elif op.opname == "slice" and _last_dim(op, len(shape)):
+            elif d.window is not None and d.window(op.attrs)[0] in (-1, len(shape) - 1):
                 src = mp.view(op.inputs[0].name)
-                mp.alias(out.name, View(src.region, src.elem_offset + int(op.attrs["start"]) * src.strides[-1],
+                mp.alias(out.name, View(src.region, src.elem_offset + int(d.window(op.attrs)[1]) * src.strides[-1],
                                         shape, src.strides, src.dtype))
             elif op.opname == "reshape" and _is_contig(mp.view(op.inputs[0].name)):
                 src = mp.view(op.inputs[0].name)
@@ -156,11 +156,6 @@ def build_memory_plan(graph: Graph, dims: dict, scratch: dict[str, TensorType] |
     for name, ty in (scratch or {}).items():
         mp.alloc(name, ty.dtype, ty.concrete(dims) if hasattr(ty, "concrete") else ty.shape, ty.kind)
     return mp
-
-
-def _last_dim(op, rank: int) -> bool:
-    d = int(op.attrs.get("dim", -1))
-    return d in (-1, rank - 1)
 
 
 def _is_contig(v: View) -> bool:

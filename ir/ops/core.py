@@ -219,7 +219,8 @@ def _slice_regions(at, sh, out, full):
 register(OpDef("slice", ("x",), ("y",), _slice_infer,
                lambda a, at: [a[0].narrow(at["dim"], at["start"], at["end"] - at["start"])],
                attrs={"dim": Attr(A.int), "start": Attr(A.int), "end": Attr(A.int)},
-               traits=frozenset({Trait.elementwise, Trait.view}), regions=_slice_regions))
+               traits=frozenset({Trait.elementwise, Trait.view}), regions=_slice_regions,
+               window=lambda at: (at["dim"], at["start"], at["end"])))
 
 
 def _concat_infer(ts, at):
