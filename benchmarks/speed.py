@@ -14,6 +14,8 @@ Per batch B, in one process and on the same random weights (one dict, shared):
     a baseline that silently fell back to eager would make fusec look fast;
   - the logits of one step from fresh state (same tokens, position `pos`) compared (max |diff|
     / max |fusec logits|; reported, not asserted: routing near-ties may pick other experts);
+  - the ratio of the graph replay (`ratio`), and of the public calls: `step()` against the
+    compiled baseline call, each alone (`ratio_step`) and in a decode loop (`ratio_loop`);
   - `rounds` interleaved rounds; in each, every timer gives the median of `reps` calls (CUDA
     events, a sync after each call); the row reports the median over rounds;
   - the bytes a step must move (`step_bytes`): every non-expert weight except the embedding
@@ -280,7 +282,10 @@ def bench_batch(args, graph, cfg, weights, wmod, batch: int) -> dict:
                fusec_us=round(fusec_us, 1), fusec_step_us=round(t["fusec_step"], 1),
                fusec_step_loop_us=round(t["fusec_step_loop"], 1), baseline_loop_us=round(t["baseline_loop"], 1),
                fusec_graph=("fusec" in t), baseline_us=round(t["baseline"], 1),
-               ratio=round(t["baseline"] / fusec_us, 3), bytes=int(total),
+               ratio=round(t["baseline"] / fusec_us, 3),
+               # the public calls against each other: alone (a sync after each) and in a loop
+               ratio_step=round(t["baseline"] / t["fusec_step"], 3),
+               ratio_loop=round(t["baseline_loop"] / t["fusec_step_loop"], 3), bytes=int(total),
                roofline_fraction=round(total / (fusec_us * 1e-6) / (HBM_TBPS * 1e12), 4),
                fusec_step_roofline_fraction=round(total / (t["fusec_step"] * 1e-6) / (HBM_TBPS * 1e12), 4),
                baseline_roofline_fraction=round(total / (t["baseline"] * 1e-6) / (HBM_TBPS * 1e12), 4),
@@ -328,14 +333,17 @@ def dump_json(path: str, doc: dict) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| config | B | fusec graph us | fusec step() us | step() in a loop | baseline us (MoE path) | "
-             "baseline in a loop | baseline / fusec | GB moved | fusec % of 4.16 TB/s | baseline % | logits rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "baseline in a loop | baseline / fusec graph | baseline / step() | in a loop | GB moved | "
+             "fusec % of 4.16 TB/s | baseline % | logits rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         graph_us = f"{r['fusec_us']:.0f}" if r["fusec_graph"] else "-"
         loop = lambda k: f"{r[k]:.0f}" if k in r else "-"  # noqa: E731
+        ratio = lambda k: f"{r[k]:.2f}x" if k in r else "-"  # noqa: E731  (rows from older runs lack it)
         lines.append(f"| {r['config']} | {r['batch']} | {graph_us} | {r['fusec_step_us']:.0f} | "
                      f"{loop('fusec_step_loop_us')} | {r['baseline_us']:.0f} ({r['baseline_moe']}) | "
-                     f"{loop('baseline_loop_us')} | {r['ratio']:.2f}x | {r['bytes'] / 1e9:.3f} | "
+                     f"{loop('baseline_loop_us')} | {r['ratio']:.2f}x | {ratio('ratio_step')} | {ratio('ratio_loop')} | "
+                     f"{r['bytes'] / 1e9:.3f} | "
                      f"{r['roofline_fraction'] * 100:.0f}% | {r['baseline_roofline_fraction'] * 100:.0f}% | "
                      f"{r['logits_max_rel_err']:.1e} |")
     return "\n".join(lines)
