@@ -1,11 +1,12 @@
 """The op registry: the one place an op is defined.
 
 An `OpDef` holds the op's signature (operand, result and attribute names), its shape/dtype
-rule, its torch reference implementation, its cost (bytes read and written, flops), its traits
-and how the tile pass lowers it (`tiling`, `tile_step`, `tile_epilogue`). The printer and parser
+rule, its torch reference implementation, its cost (bytes read and written, flops), its traits,
+how the tile pass lowers it (`tiling`, `tile_step`, `tile_epilogue`, ...), the rewrites it takes
+(`rewrite`, `seq_split`) and the constant tables it reads (`attr_table`). The printer and parser
 take operand and attribute names from here, the verifier calls `infer`, the reference executor
-calls `ref`, the cost model calls `cost`, fusion, sharding, tiling and the backends read the
-traits and lowering fields. What an op is lives here only: the passes test a trait or a field,
+calls `ref`, the cost model calls `cost`, canonicalization, fusion, sharding, tiling and the
+backends read the traits and fields. What an op is lives here only: the passes test a trait or a field,
 never a list of op names, so adding an op is one `register(OpDef(...))`.
 """
 from __future__ import annotations
@@ -55,6 +56,14 @@ class Trait(enum.Enum):
     slot_sum = "slot_sum"
     # an epilogue that needs its anchor's whole output row (router scoring over all experts)
     whole_row = "whole_row"
+    # y = x @ w^T over a weight w [N, K] (operand 1): output column n reads the whole row of x
+    # (operand 0) and row n of w, and the op has an `out_dtype` attribute. Siblings reading the
+    # same x with weights of one dtype are one such op over their weights stacked along dim 0,
+    # outputs side by side: canonicalize merges them (a window per original output gives it
+    # back; the shard plan reads a merged weight's parts from those windows), the tile pass runs
+    # a sibling in its anchor's own tile, and the CuTe lowering takes it as a task's GEMV anchor
+    # (a `norm` feeding it is recomputed by each task into its own scratch)
+    mergeable = "mergeable"
 
 
 class Tiling(enum.Enum):
@@ -64,6 +73,31 @@ class Tiling(enum.Enum):
     heads = "heads"       # ranges of dim 1, the heads of a [B, H, ...] output
     experts = "experts"   # ranges of the rows of every routed expert, each task all (token, slot) pairs
     chunks = "chunks"     # one task per (chunk of cache rows, batch row): split-sequence partials
+
+
+@dataclass(frozen=True)
+class SeqSplit:
+    """How the tile pass splits an attention over a long cache along the sequence
+    (`OpDef.seq_split`): op `partial` (the op's operands and attributes plus `chunks`) computes
+    one partial result per chunk of the cache rows (operand `cache`, [B, L, ...]), op `combine`
+    merges the partials into the op's result. A chunk has at least `min_rows` cache rows."""
+    partial: str
+    combine: str
+    cache: int
+    min_rows: int
+
+
+@dataclass(frozen=True)
+class AttrTable:
+    """A constant table the op's computation reads, made from its attributes alone
+    (`OpDef.attr_table`; RoPE's inverse frequencies): a backend builds it once per distinct
+    attributes when it binds a program, never per step. `name` names the kind of table (the
+    backend keys its copies by it and the attributes), `fill(attrs)` gives its values (a torch
+    tensor of `shape(attrs)`), stored as `dtype`."""
+    name: str
+    shape: Callable[[Mapping], tuple]
+    dtype: DType
+    fill: Callable[[Mapping], Any]
 
 
 class AttrKind(enum.Enum):
@@ -141,6 +175,16 @@ class OpDef:
     # order) within one group, `group_ref(xs, attrs) -> ys`; what `ref` computes for one rank
     # alone is the identity of R = 1. The multi-rank reference executor runs it per group.
     group_ref: Callable[[list, Mapping], list] | None = None
+    # canonicalize replaces the op by the ops `rewrite(op, make)` returns: an exact rewrite into
+    # the form the later passes expect (the unabsorbed MLA -> absorb, attend, up-project).
+    # `make(opname, operands, attrs, name)` builds one op (name None: any fresh name); the last
+    # op's result 0 takes over the op's result; the ops returned have no `rewrite` themselves
+    rewrite: Callable[[Any, Callable], list] | None = None
+    # an attention over a long cache that the tile pass may split along the sequence into
+    # partials and a combine (`SeqSplit`); None: it runs whole
+    seq_split: SeqSplit | None = None
+    # a constant table made from the attributes (`AttrTable`) that the op reads; None: none
+    attr_table: AttrTable | None = None
     doc: str = ""
 
     @property

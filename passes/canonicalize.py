@@ -1,15 +1,19 @@
 """canonicalize: put the decode graph into the form the later passes expect.
 
-Two rewrites, both exact in fp32 (checked by tests/test_passes_graph.py):
+Two rewrites, both exact in fp32 (checked by tests/test_passes_graph.py), both read off the op
+registry (no op names here):
 
-(a) MLA weight absorption. `mla_attention_naive(q_nope, q_pe, cache, kv_b, pos)` decompresses
-    every cached latent row into per-head keys and values; at decode that reads the whole cache
-    through kv_b. The absorbed form moves kv_b onto the one new query instead:
-    `mla_q_absorb(q_nope, kv_b) -> mla_attention(q_lat, q_pe, cache, pos) -> mla_v_up(o_lat, kv_b)`.
+(a) Op rewrites. An op whose registry entry has a `rewrite` (`OpDef.rewrite`) is replaced by the
+    ops it returns. Today that is MLA weight absorption: `mla_attention_naive(q_nope, q_pe,
+    cache, kv_b, pos)` decompresses every cached latent row into per-head keys and values; at
+    decode that reads the whole cache through kv_b. The absorbed form moves kv_b onto the one
+    new query instead: `mla_q_absorb(q_nope, kv_b) -> mla_attention(q_lat, q_pe, cache, pos) ->
+    mla_v_up(o_lat, kv_b)` (ir/ops/mixers.py).
 
-(b) Merged projections. Linears that read the same input with weights of the same dtype (so the
-    same K) become one `linear` over a concatenated weight followed by one `slice` per original
-    output (plus a `cast` where the original output dtype was narrower than the merged one). The
+(b) Merged projections. Ops of trait `mergeable` (`linear`) that read the same input with
+    weights of the same dtype (so the same K) become one such op over a concatenated weight
+    followed by one `slice` per original output (plus a `cast` where the original output dtype
+    was narrower than the merged one). The
     merged weight is a new weight *parameter* annotated `{sources = [...]}`: a loader builds it by
     concatenating the named checkpoint tensors along dim 0 (fusec.backends.reference.ranks
     .materialize_weights). So the graph keeps reading only parameters -- the merged weight is
@@ -22,20 +26,21 @@ Two rewrites, both exact in fp32 (checked by tests/test_passes_graph.py):
 
 Requires: a verified graph; weight parameters without `sources`/`split` annotations (i.e. before
           shard).
-Ensures:  no `mla_attention_naive` remains; no two linears with float weights of one dtype read
-          the same value unless refused (refusals are logged on FUSEC_LOG=fusion); the set of
-          graph outputs and state updates is unchanged and, for the same checkpoint, so are
-          their values.
+Ensures:  no op with a `rewrite` remains; no two `mergeable` ops of one kind with float weights
+          of one dtype read the same value unless refused (refusals are logged on
+          FUSEC_LOG=fusion); the set of graph outputs and state updates is unchanged and, for
+          the same checkpoint, so are their values.
 """
 from __future__ import annotations
 
 from .options import log
 from fusec.ir.graph import Graph, Op, Value
+from fusec.ir.registry import Trait
 from fusec.ir.types import DType, Kind
 from fusec.passes.manager import Program, register_pass
 
-# Linears over these weight dtypes are not merged: MXFP4 weights carry per-row block scales and
-# are expert weights in K3 (never several dense linears over one input).
+# Projections over these weight dtypes are not merged: MXFP4 weights carry per-row block scales
+# and are expert weights in K3 (never several dense linears over one input).
 _MERGEABLE = (DType.bf16, DType.f16, DType.f32, DType.fp8e4m3)
 # Wider output dtype wins; narrower outputs get a cast after their slice (exact: the reference
 # rounds the same fp32 accumulator once either way).
@@ -45,7 +50,7 @@ _WIDTH = {DType.f32: 3, DType.bf16: 2, DType.f16: 2}
 @register_pass("canonicalize")
 def run(prog: Program) -> bool:
     g = prog.graph
-    changed = _absorb_mla(prog, g)
+    changed = _rewrite_ops(prog, g)
     changed |= _merge_projections(prog, g)
     if changed:
         _drop_unused_weights(g)
@@ -53,24 +58,26 @@ def run(prog: Program) -> bool:
     return changed
 
 
-# -- (a) MLA absorption ---------------------------------------------------------------------------
-def _absorb_mla(prog: Program, g: Graph) -> bool:
+# -- (a) op rewrites (OpDef.rewrite) ------------------------------------------------------------
+def _rewrite_ops(prog: Program, g: Graph) -> bool:
     new_ops: list[Op] = []
     changed = False
     for op in g.ops:
-        if op.opname != "mla_attention_naive":
+        rewrite = op.opdef.rewrite
+        if rewrite is None:
             new_ops.append(op)
             continue
-        q_nope, q_pe, cache, kv_b, pos = op.inputs
         out = op.outputs[0]
-        mla = {k: op.attrs[k] for k in ("heads", "nope", "rope", "kv_lora", "v_dim")}
-        q_lat = _make(g, "mla_q_absorb", [q_nope, kv_b], mla, f"{out.name}.q_lat", op.group)
-        o_lat = _make(g, "mla_attention", [q_lat.outputs[0], q_pe, cache, pos],
-                      {**mla, "scale": op.attrs["scale"]}, f"{out.name}.o_lat", op.group)
-        v_up = _make(g, "mla_v_up", [o_lat.outputs[0], kv_b], mla, None, op.group)
-        _rename_into(v_up, out)
-        new_ops += [q_lat, o_lat, v_up]
-        log(prog.opts, "fusion", f"canonicalize: absorbed kv_b into the query and output of %{out.name}")
+        # the new ops join the op's fusion group (none before fuse)
+        made = rewrite(op, lambda opname, inputs, attrs, name: _make(g, opname, inputs, attrs, name, op.group))
+        again = [o.opname for o in made if o.opdef.rewrite is not None]
+        if again:
+            raise ValueError(f"canonicalize: the rewrite of {op.opname} made {', '.join(again)}, "
+                             "which have rewrites themselves")
+        _rename_into(made[-1], out)
+        new_ops += made
+        log(prog.opts, "fusion", f"canonicalize: rewrote {op.opname} %{out.name} into "
+            f"{' -> '.join(o.opname for o in made)}")
         changed = True
     g.ops = new_ops
     return changed
@@ -79,12 +86,14 @@ def _absorb_mla(prog: Program, g: Graph) -> bool:
 # -- (b) merged projections -----------------------------------------------------------------------
 def _merge_projections(prog: Program, g: Graph) -> bool:
     users = g.users()
-    by_input: dict[str, list[Op]] = {}
+    # siblings: one op kind, one input, the same attributes besides the output dtype
+    by_input: dict[tuple, list[Op]] = {}
     for op in g.ops:
-        if op.opname == "linear":
-            by_input.setdefault(op.inputs[0].name, []).append(op)
+        if Trait.mergeable in op.opdef.traits:
+            rest = tuple((k, v) for k, v in op.attrs.items() if k != "out_dtype")
+            by_input.setdefault((op.opname, op.inputs[0].name, rest), []).append(op)
     changed = False
-    for x_name, lins in by_input.items():
+    for lins in by_input.values():
         if len(lins) < 2:
             continue
         ok = [op for op in lins if _mergeable(prog, g, op, users)]
@@ -112,7 +121,7 @@ def _mergeable(prog: Program, g: Graph, op: Op, users) -> bool:
     elif y.type.dtype not in _WIDTH:
         why = f"output dtype {y.type.dtype.value} is not merged"
     if why:
-        log(prog.opts, "fusion", f"canonicalize: not merging linear %{y.name}: {why}")
+        log(prog.opts, "fusion", f"canonicalize: not merging {op.opname} %{y.name}: {why}")
         return False
     return True
 
@@ -133,7 +142,7 @@ def _merge(prog: Program, g: Graph, lins: list[Op]) -> None:
         g.param_attrs[wname]["source_tp"] = roles
     scope = lins[0].outputs[0].name.rsplit(".", 1)[0] if "." in lins[0].outputs[0].name else ""
     yname = _unique(g, (scope + "." if scope else "") + "merged_" + lins[0].outputs[0].name.rsplit(".", 1)[-1])
-    merged = _make(g, "linear", [x, mw], {"out_dtype": out_dt.value}, yname, None)
+    merged = _make(g, lins[0].opname, [x, mw], {**lins[0].attrs, "out_dtype": out_dt.value}, yname, None)
     inserted = [merged]
     start = 0
     for op, w in zip(lins, weights):
@@ -155,7 +164,7 @@ def _merge(prog: Program, g: Graph, lins: list[Op]) -> None:
     rest = [op for op in g.ops if id(op) not in drop]
     at = sum(1 for op in g.ops[:first] if id(op) not in drop)
     g.ops = rest[:at] + inserted + rest[at:]
-    log(prog.opts, "fusion", f"canonicalize: merged {len(lins)} linears over %{x.name} "
+    log(prog.opts, "fusion", f"canonicalize: merged {len(lins)} {lins[0].opname}s over %{x.name} "
         f"({', '.join('%' + op.outputs[0].name for op in lins)}) into %{merged.outputs[0].name} [{n_total}, {k}]")
 
 

@@ -74,7 +74,7 @@ def _linear_regions(at, sh, out, full):
 
 register(OpDef("linear", ("x", "w"), ("y",), _linear_infer,
                lambda a, at: [f32(a[0]) @ f32(a[1]).T],
-               attrs={"out_dtype": Attr(A.str, "bf16")}, traits=frozenset({Trait.gemv}),
+               attrs={"out_dtype": Attr(A.str, "bf16")}, traits=frozenset({Trait.gemv, Trait.mergeable}),
                tiling=Tiling.columns, cost_fn=_linear_cost, doc="y = x @ w^T, w [N, K] in bf16 or mxfp4; fp32 accumulate", regions=_linear_regions))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .._lazy import LazyModule
-from ..registry import Attr, AttrKind, Cost, OpDef, Tiling, Trait, act, register
+from ..registry import Attr, AttrKind, AttrTable, Cost, OpDef, SeqSplit, Tiling, Trait, act, register
 from ..types import DType, Kind, TensorType
 from ._util import f32, need, need_dim, need_dtype, need_rank
 
@@ -235,10 +235,24 @@ def _mla_naive_regions(at, sh, out, full):
     return mla_attention_naive
 
 
+def _mla_absorb(op, make):
+    """canonicalize's rewrite (`OpDef.rewrite`), exact in fp32: at decode the unabsorbed form
+    decompresses every cached latent row through kv_b; the absorbed one moves kv_b onto the one
+    new query (W_UK) and the attention output (W_UV): mla_q_absorb -> mla_attention -> mla_v_up."""
+    q_nope, q_pe, cache, kv_b, pos = op.inputs
+    out = op.outputs[0].name
+    mla = {k: op.attrs[k] for k in MLA_ATTRS}
+    q_lat = make("mla_q_absorb", [q_nope, kv_b], mla, f"{out}.q_lat")
+    o_lat = make("mla_attention", [q_lat.outputs[0], q_pe, cache, pos], {**mla, "scale": op.attrs["scale"]},
+                 f"{out}.o_lat")
+    v_up = make("mla_v_up", [o_lat.outputs[0], kv_b], mla, None)
+    return [q_lat, o_lat, v_up]
+
+
 register(OpDef("mla_attention_naive", ("q_nope", "q_pe", "cache", "kv_b", "pos"), ("o",),
                _mla_naive_infer, _mla_naive_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float)},
                traits=frozenset({Trait.attention}), tiling=Tiling.columns, tile_step=lambda at: at["v_dim"],
-               cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (2,)),
+               cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (2,)), rewrite=_mla_absorb,
                doc="MLA over the latent cache, keys and values decompressed with kv_b (unabsorbed)", regions=_mla_naive_regions))
 
 
@@ -269,6 +283,11 @@ def _q_absorb_regions(at, sh, out, full):
 register(OpDef("mla_q_absorb", ("q_nope", "kv_b"), ("q_lat",), _q_absorb_infer, _q_absorb_ref,
                attrs=MLA_ATTRS, traits=frozenset({Trait.gemv}), tiling=Tiling.heads,
                doc="per head q_lat = q_nope W_UK (W_UK = the key rows of kv_b)", regions=_q_absorb_regions))
+
+
+# Cache rows per split-sequence chunk at least: one shared-memory stage of the CuTe backend's
+# tensor-core partial body (MLA_SR); a shorter chunk only adds partials for the combine to read.
+MLA_MIN_CHUNK_ROWS = 32
 
 
 def _mla_attn_infer(ts, at):
@@ -302,6 +321,7 @@ def _mla_attn_regions(at, sh, out, full):
 register(OpDef("mla_attention", ("q_lat", "q_pe", "cache", "pos"), ("o_lat",), _mla_attn_infer,
                _mla_attn_ref, attrs={**MLA_ATTRS, "scale": Attr(A.float)},
                traits=frozenset({Trait.attention}), tiling=Tiling.heads, streams=(2,),
+               seq_split=SeqSplit("mla_attention_partial", "attention_combine", cache=2, min_rows=MLA_MIN_CHUNK_ROWS),
                cost_fn=lambda i, o, at, d: _attn_cost(i, o, at, d, (2,)),
                doc="absorbed MLA: softmax([q_lat, q_pe] . cache * scale) over rows 0..pos; P cache[:, :kv_lora]", regions=_mla_attn_regions))
 
@@ -375,6 +395,7 @@ register(OpDef("rope", ("x", "pos"), ("y",), _rope_infer, _rope_ref,
                       "scaling_factor": Attr(A.float, 1.0), "low_freq_factor": Attr(A.float, 1.0),
                       "high_freq_factor": Attr(A.float, 4.0), "original_max_pos": Attr(A.int, 8192)},
                traits=frozenset({Trait.elementwise, Trait.headwise, Trait.whole_vectors}),
+               attr_table=AttrTable("rope_inv_freq", lambda at: (at["head_dim"] // 2,), DType.f32, rope_inv_freq),
                doc="rotary embedding, rotate_half layout"))
 
 
