@@ -14,7 +14,7 @@ trust"). Not a pass; `memory_order.check_schedule` runs these before the rules V
   operand that indexes the loaded one, e.g. moe_gate_up's router ids); V3 uses it together with
   the declared `addressed_by` (an annotation may only add a dependency, never remove one).
 
-Collective tasks (one op from `COLLECTIVES`) are derived by what every lowering of a collective
+Collective tasks (one op of trait `collective`) are derived by what every lowering of a collective
 does: the op's operands are loaded whole, writes go to the op's result (own rank) or to comm
 buffers (slots, on any rank in R), and comm buffers may be loaded.
 """
@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from itertools import product
 
+from fusec.ir.registry import Trait
 from fusec.ir.schedule import InstrKind, Region, Schedule
 from fusec.ir.types import Kind
 
-from ._lowering import COLLECTIVES, _anchor_kind, op_box_rule
+from ._lowering import _anchor_kind, op_box_rule
 from ._regions import box_hull, full_box, input_rule, out_rule
 from ._rules import Rule, Violation
 
@@ -290,7 +291,7 @@ class Derived:
             st = ctx.storage
             if len(set(map(id, ops))) != len(ops):
                 fam = "ops() names one op twice"
-            elif any(o.opname in COLLECTIVES for o in ops):
+            elif any(Trait.collective in o.opdef.traits for o in ops):
                 if len(ops) != 1:
                     fam = "a collective shares its task with other ops"
                 else:

@@ -15,7 +15,7 @@ import itertools
 import math
 
 from fusec.ir.graph import Graph, Op, Value
-from fusec.ir.registry import REGISTRY, Tiling, Trait
+from fusec.ir.registry import Tiling, Trait
 from fusec.ir.schedule import Instr, InstrKind, Region, Task
 from fusec.ir.types import Kind, TensorType
 
@@ -31,10 +31,6 @@ COMPUTE = Instr(InstrKind.COMPUTE)
 # on the critical path, while every other CTA waited).
 EW_TASK_ELEMENTS = 2048
 ALIGN = 8                       # GEMV tile rows are a multiple of this (16-byte bf16 vectors)
-
-# The collective ops, read off the registry (passes/_derive.py checks task families by it).
-COLLECTIVES = frozenset(n for n, d in REGISTRY.items() if Trait.collective in d.traits)
-
 
 def splits(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     """[0, n) in `parts` contiguous ranges on `align` boundaries (fewer if n is small)."""
@@ -102,8 +98,8 @@ def _epilogue_ok(ctx: _Ctx, op: Op, anchor: Op, inside: set[str]) -> str | None:
         return "a collective"
     if not op.opdef.tile_epilogue:
         return "a reduction over the tiled axis or a shape change"
-    if op.opname == "linear":   # a sibling GEMV (gate and up reading the same x): same rows
-        return None if (anchor.opname == "linear" and op.inputs[0] is anchor.inputs[0] and
+    if Trait.mergeable in op.opdef.traits:   # a sibling GEMV (gate and up reading the same x): same rows
+        return None if (op.opdef is anchor.opdef and op.inputs[0] is anchor.inputs[0] and
                         ctx.shape[op.outputs[0].name] == ctx.shape[anchor.outputs[0].name]) else \
             "a GEMV that is not a sibling of the anchor"
     d = _driver(op, inside)
@@ -305,7 +301,7 @@ def _op_box(ctx: _Ctx, o: Op, boxes: dict, tile) -> tuple | None:
 def op_box_rule(o: Op):
     """f(boxes, tile) -> `_op_box` of `o`, with what does not depend on the tile (the op's kind,
     its operands' names, whether each is made by an op) read once."""
-    if o.opname == "linear":            # sibling GEMV: the anchor's rows
+    if Trait.mergeable in o.opdef.traits:   # sibling GEMV (`_epilogue_ok`): the anchor's rows
         return lambda boxes, tile: tile
     # the driver (`_driver`) is the first operand made in the unit, i.e. with a box so far
     cands = [(v.name, v.producer is not None) for v in o.inputs]

@@ -50,7 +50,7 @@ def plan_degrees(g: Graph, R: int, below: int = 0) -> tuple[int, int]:
                 dims.append(op.attrs[attr])
         if Trait.expert in op.opdef.traits:
             experts.append(op.inputs[-1].type.shape[0])
-        if op.opname == "linear":
+        if Trait.mergeable in op.opdef.traits:     # a merged projection: its parts' roles
             roles = source_roles(g, op.inputs[1].name)
             if roles:
                 dims += [n for role, n in zip(roles, source_rows(users, op)) if role == COL]

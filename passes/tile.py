@@ -23,7 +23,7 @@ How a group becomes tasks (tile sizes and families in `passes/_lowering.py`, the
   expert and carry `addressed_by` = the router ids (V3);
 - absorbed MLA attention over a cache larger than MIN_TASK_BYTES is rewritten in the graph to
   `mla_attention_partial` (one task per (chunk of cache rows [c L / S, (c + 1) L / S), batch
-  row), S = SMs / batch chunks of at least MLA_MIN_CHUNK_ROWS rows) and `attention_combine`
+  row), S = SMs / batch chunks of at least the op's `seq_split.min_rows`) and `attention_combine`
   (split over heads); other attention and the KDA recurrence split over heads; in-place state updates store to the
   state parameter's own name (the region they read);
 - a collective becomes a push unit (one task per peer offset d: write the whole operand into
