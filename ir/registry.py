@@ -41,8 +41,9 @@ class Trait(enum.Enum):
     # major operands (a reduction over the middle dims is fine; the other operands whole): the
     # tile pass may cut a unit of such ops along the last dim, like an elementwise one
     columnwise = "columnwise"
-    # its result may be a view of its operand in memory (no data moves): the backends give it
-    # no task body of its own
+    # its result may be a view of its operand in memory (no data moves): with a `window`, that
+    # window of operand 0 (slice); without one, operand 0's elements in the same order under a
+    # new shape (reshape). The backends give it no task body of its own
     view = "view"
     # fusion roles (read by passes/fuse.py):
     # a row normalisation with a weight: a GEMV may recompute it in every tile as its prologue

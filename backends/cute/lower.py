@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fusec.ir.graph import Op
-from fusec.ir.registry import Trait
+from fusec.ir.registry import REGISTRY, Trait
 from fusec.ir.schedule import InstrKind, Schedule, Task
 from fusec.ir.types import DType, Kind, TensorType
 
@@ -56,7 +56,9 @@ class Lowered:
     queues: tuple[tuple[int, ...], ...]
     num_events: int
     batch: int
-    consts: dict  # region name -> ("rope_inv_freq", attrs) | ("mla_uk_t", kv_b, attrs): see fill_consts
+    # region name -> (an AttrTable's name, attrs) (OpDef.attr_table: rope_inv_freq) |
+    # ("rel_ptrs", distances) | ("mla_uk_t", kv_b, attrs): see fill_consts
+    consts: dict
 
     def plan(self, base: int = 0, **kw) -> KernelPlan:
         rows = [dataclasses.replace(r, **{f: base + getattr(r, f) for f in fs})
@@ -136,7 +138,8 @@ def _hoisted_weight_loads(schedule: Schedule) -> dict[int, set[str]]:
 
 
 def _scratch_and_consts(schedule: Schedule):
-    """Per-task scratch for prologues computed by every tile, and attribute tables (rope)."""
+    """Per-task scratch for prologues computed by every tile (a `norm` feeding the task's GEMV
+    anchor), and the attribute tables the ops read (`OpDef.attr_table`: RoPE's frequencies)."""
     g = schedule.graph
     ops = {op.outputs[0].name: op for op in g.ops}
     scratch: dict[str, TensorType] = dict(schedule.buffers)
@@ -145,27 +148,35 @@ def _scratch_and_consts(schedule: Schedule):
         names = set(t.ops)
         for n in t.ops:
             op = ops[n]
-            if op.opname == "rms_norm" and _feeds_linear_in(op, names, ops):
+            if Trait.norm in op.opdef.traits and _feeds_anchor_in(op, names, ops):
                 scratch[_scratch_name(t, n)] = TensorType(op.outputs[0].type.shape, op.outputs[0].type.dtype, Kind.act)
-            if op.opname == "rope":
-                key = _rope_key(op)
-                consts.setdefault(key, ("rope_inv_freq", dict(op.attrs)))
-                scratch.setdefault(key, TensorType((op.attrs["head_dim"] // 2,), DType.f32, Kind.weight))
+            table = op.opdef.attr_table
+            if table is not None:
+                key = _table_key(op)
+                consts.setdefault(key, (table.name, dict(op.attrs)))
+                scratch.setdefault(key, TensorType(table.shape(op.attrs), table.dtype, Kind.weight))
     return scratch, consts
 
 
-def _feeds_linear_in(op: Op, names: set, ops: dict) -> bool:
+def _is_anchor(op: Op) -> bool:
+    """The GEMV whose output columns are its task's tile (`Trait.mergeable`: y = x @ w^T, every
+    column reading x's whole row, so a norm of x is a prologue each task recomputes)."""
+    return Trait.mergeable in op.opdef.traits
+
+
+def _feeds_anchor_in(op: Op, names: set, ops: dict) -> bool:
     out = op.outputs[0].name
-    return any(o.opname == "linear" and o.inputs[0].name == out for n in names for o in [ops[n]])
+    return any(_is_anchor(o) and o.inputs[0].name == out for n in names for o in [ops[n]])
 
 
 def _scratch_name(t: Task, value: str) -> str:
     return f"scratch.t{t.id}.{value}"
 
 
-def _rope_key(op: Op) -> str:
+def _table_key(op: Op) -> str:
+    """The region of `op`'s attribute table: one per table kind and distinct attributes."""
     a = op.attrs
-    return "const.rope_inv_freq." + "_".join(str(a.get(k)) for k in sorted(a))
+    return f"const.{op.opdef.attr_table.name}." + "_".join(str(a.get(k)) for k in sorted(a))
 
 
 def fill_consts(low: Lowered, bound, weights: dict) -> None:
@@ -174,11 +185,10 @@ def fill_consts(low: Lowered, bound, weights: dict) -> None:
     `weights`: the lowered graph's weights (reference.ranks.materialize_weights)."""
     import torch
 
-    from fusec.ir.ops.mixers import rope_inv_freq
-
+    tables = {d.attr_table.name: d.attr_table for d in REGISTRY.values() if d.attr_table is not None}
     for key, spec in low.consts.items():
-        if spec[0] == "rope_inv_freq":
-            bound.tensor(key).copy_(rope_inv_freq(spec[1]))
+        if spec[0] in tables:         # an op's attribute table (OpDef.attr_table)
+            bound.tensor(key).copy_(tables[spec[0]].fill(spec[1]))
         elif spec[0] == "rel_ptrs":   # byte distances from the table to each source (ATTN_RES)
             bound.tensor(key).copy_(torch.tensor(spec[1], dtype=torch.int64))
         elif spec[0] == "mla_uk_t":   # W_UK^T per head: [H, kv_lora, nope] from kv_b [H*(nope+v), kv_lora]
@@ -234,7 +244,7 @@ class _TaskLowering(MixerLowering):
     def _body(self, t: Task):
         names = set(t.ops)
         ordered = [op for op in self.s.graph.ops if op.outputs[0].name in names]
-        anchor = next((op for op in ordered if op.opname == "linear"), None)
+        anchor = next((op for op in ordered if _is_anchor(op)), None)
         cols: dict[str, tuple[int, int]] = {}
         redirect: dict[str, str] = {}
         if anchor is not None:
@@ -338,7 +348,7 @@ class _TaskLowering(MixerLowering):
             raise LoweringError(f"cute lowering: rope %{out} in place is not supported")
         a, o = view(ins[0]), view(out)
         return [(TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a2=off(out), a3=off(ins[1]),
-                         a4=self.mem.byte_offset(_rope_key(op)), n0=cols[0], n1=cols[1],
+                         a4=self.mem.byte_offset(_table_key(op)), n0=cols[0], n1=cols[1],
                          ldx=a.row_stride, ldy=o.row_stride, sub=EwOp.ROPE,
                          p1=self._flags(a=a, o=o), p2=d), ("a0", "a2", "a3", "a4"))]
 

@@ -31,7 +31,8 @@ def supported() -> frozenset[str]:
 
 class OpCtx:
     """One op of one task, as a lowering method sees it: the task, the op, its output columns in
-    the task's tile (`cols`), the group's GEMV anchor if any, and `redirect` (values a lowering
+    the task's tile (`cols`), the task's GEMV anchor if any (an op of trait `mergeable`: its
+    columns are the task's tile; lower._is_anchor), and `redirect` (values a lowering
     moved to per-task scratch); `view` / `off` resolve a value name through `redirect`."""
 
     def __init__(self, low, t, op, cols, anchor, redirect: dict):

@@ -7,9 +7,11 @@ tables derived from attributes (RoPE inverse frequencies). Each tensor gets its 
 deterministic, 256-byte aligned offset (declaration order), so a plan prints the same way every
 time and the task table only needs `arena base + offset`.
 
-Values that are pure re-indexings of another value are *views*, not allocations:
-  slice along the last dim   -> the parent's region + start, same row stride
-  reshape of a contiguous value -> the parent's region, new shape
+Values that are pure re-indexings of another value are *views*, not allocations (read off the
+registry entry of the op making them):
+  a window along the last dim (OpDef.window: slice) -> the parent's region + start, same row stride
+  any other `view` op (operand 0's elements in order: reshape) of a contiguous value
+                             -> the parent's region, new shape
   an in-place update (OpDef.aliases, e.g. cache_append) -> the updated operand's region
 so a task that writes a merged projection writes q, k and v at once, and a body reading a slice
 gets its address and row stride from the view.
@@ -23,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from fusec.ir.graph import Graph
-from fusec.ir.registry import get_op
+from fusec.ir.registry import Trait, get_op
 from fusec.ir.types import DType, Kind, TensorType
 
 ALIGN = 256  # bytes; every region starts 16-byte aligned for the bodies' vector loads (and more)
@@ -148,7 +150,7 @@ def build_memory_plan(graph: Graph, dims: dict, scratch: dict[str, TensorType] |
                 src = mp.view(op.inputs[0].name)
                 mp.alias(out.name, View(src.region, src.elem_offset + int(d.window(op.attrs)[1]) * src.strides[-1],
                                         shape, src.strides, src.dtype))
-            elif op.opname == "reshape" and _is_contig(mp.view(op.inputs[0].name)):
+            elif Trait.view in d.traits and d.window is None and _is_contig(mp.view(op.inputs[0].name)):
                 src = mp.view(op.inputs[0].name)
                 mp.alias(out.name, View(src.region, src.elem_offset, shape, _contig(shape), src.dtype))
             else:
