@@ -505,10 +505,7 @@ class RandomOrderRunner:
         xs[i] = x.float()
         for d in range(1, G):
             xs[(i - d) % G] = slots[d]
-        if op.opname == "all_reduce":
-            return torch.stack(xs).sum(0)
-        if op.opname == "reduce_scatter":
-            return torch.stack(xs).sum(0).chunk(G, op.attrs["dim"])[i]
-        if op.opname == "all_gather":
-            return torch.cat(xs, op.attrs["dim"])
-        raise ValueError(f"numeric random-order execution does not model collective {op.opname}")
+        # what the group's members get is the op's registry entry (OpDef.group_ref); this is member i
+        if op.opdef.group_ref is None:
+            raise ValueError(f"numeric random-order execution does not model collective {op.opname}")
+        return op.opdef.group_ref(xs, op.attrs)[i]
