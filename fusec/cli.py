@@ -160,7 +160,10 @@ def cmd_ops(args) -> int:
         # how the tile pass treats it: the family it anchors (tiling) and whether it may ride
         # on another op's tile as an epilogue
         tiling = f"tiling={d.tiling.value}" if d.tiling is not None else ""
-        lower = ", ".join(x for x in (tiling, "" if d.tile_epilogue else "no-epilogue") if x)
+        # and the rewrites the passes apply to it (canonicalize, split-sequence)
+        rewrite = "rewritten by canonicalize" if d.rewrite is not None else ""
+        split = f"seq-split={d.seq_split.partial}+{d.seq_split.combine}" if d.seq_split is not None else ""
+        lower = ", ".join(x for x in (tiling, "" if d.tile_epilogue else "no-epilogue", rewrite, split) if x)
         print(f"{name}({', '.join(d.operands)}) -> {', '.join(d.results)}"
               f"{'  {' + attrs + '}' if attrs else ''}{'  [' + traits + ']' if traits else ''}"
               f"{'  <' + lower + '>' if lower else ''}")
