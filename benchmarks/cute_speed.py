@@ -159,7 +159,7 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
         pf[f"gemv={gv}"] = (mk, mk.capture_graph(), [])
     for pv in PLAN_VARIANTS:   # "field=value,field=value": other compile-time plan settings
         kv = dict(f.split("=") for f in pv.split(","))
-        mk = Megakernel(dataclasses.replace(run.plan, **{k: type(getattr(run.plan, k))(v) for k, v in kv.items()}))
+        mk = Megakernel(dataclasses.replace(run.plan, **{k: type(getattr(run.plan, k) if getattr(run.plan, k) is not None else 0)(v) for k, v in kv.items()}))
         pf[pv] = (mk, mk.capture_graph(), [])
     for _ in range(3):
         for cap, (mk, g, ts) in pf.items():

@@ -38,6 +38,12 @@ def record(what: str, value: str, ok: bool | None = None) -> None:
     print(f"{what:48s} {value:28s} {status}", flush=True)
 
 
+def _gemv_spec(spec: str) -> tuple[str, dict]:
+    """'mma+gemv_kw=4+mma_tiles_per_unit=1' -> ('mma', {'gemv_kw': 4, 'mma_tiles_per_unit': 1})."""
+    body, *extra = spec.split("+")
+    return body, {k: int(v) for k, v in (e.split("=") for e in extra)}
+
+
 def correctness(batch: int, gen: torch.Generator, steps: int = 3, gemv: str = "auto") -> Megakernel:
     dev = "cuda"
     bf = torch.bfloat16
@@ -63,8 +69,8 @@ def correctness(batch: int, gen: torch.Generator, steps: int = 3, gemv: str = "a
     tasks += wl.gemv_tasks(wc, hn, yc, 132, 4000, wait=(1, 1, 0))
     # Tasks are listed in a topological order, so round robin keeps every queue consistent.
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks)), num_events=4,
-                      batch=batch, spin_timeout_ns=100_000_000, name=f"check_b{batch}_{gemv}",
-                      rows_per_warp=2 if batch <= 4 else 1, gemv=gemv)
+                      batch=batch, spin_timeout_ns=100_000_000, name=f"check_b{batch}_" + "".join(ch if ch.isalnum() else "_" for ch in gemv),
+                      rows_per_warp=2 if batch <= 4 else 1, gemv=_gemv_spec(gemv)[0], **_gemv_spec(gemv)[1])
     rt = Megakernel(plan)
     ok_all = True
     for step in range(1, steps + 1):
@@ -124,9 +130,10 @@ def timing(threads: int, unroll: int, tiles: int, rows_per_warp: int, reps: int,
     ws = [torch.randn(n, k, device=dev).to(bf) for _ in range(max(2, 2_000_000_000 // (n * k * 2)))]
     x = torch.randn(batch, k, device=dev).to(bf)
     y = torch.empty(batch, n, device=dev, dtype=bf)
+    body, extra = _gemv_spec(gemv)
     plans = [KernelPlan(tasks=tuple(wl.gemv_tasks(w, x, y, tiles)), queues=round_robin_queues(tiles),
-                        num_events=1, threads=threads, unroll=unroll, batch=batch, gemv=gemv,
-                        rows_per_warp=rows_per_warp, name=f"gemv_time_b{batch}")
+                        num_events=1, threads=threads, unroll=unroll, batch=batch, gemv=body,
+                        rows_per_warp=rows_per_warp, name=f"gemv_time_b{batch}", **extra)
              for w in ws]
     rt = Megakernel(plans[0])
     tables = []
@@ -178,10 +185,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="batch 1 only, one timing variant")
     ap.add_argument("--json", default=os.environ.get("OUT", ".") + "/gemv_megakernel.json")
-    ap.add_argument("--variants", help="threads:unroll:tiles:rows_per_warp:gemv:batch[:n:k],...",
+    ap.add_argument("--variants", help="threads:unroll:tiles:rows_per_warp:gemv:batch[:n:k],... where gemv is "
+                                       "simt, mma or mma+FIELD=VALUE+... (KernelPlan fields, e.g. gemv_kw=4)",
                     default="512:4:132:1:simt:1,512:4:132:1:mma:1,512:8:132:1:mma:1,512:4:132:1:simt:16,"
                             "512:4:132:1:mma:16,512:4:132:1:mma:4,512:4:132:1:mma:16:2112:7168")
-    ap.add_argument("--gemv", default="simt,mma", help="GEMV_BF16 bodies to check for correctness")
+    ap.add_argument("--gemv", default="simt,mma", help="GEMV_BF16 bodies to check for correctness "
+                                                       "(as in --variants, e.g. mma+gemv_kw=4)")
+    ap.add_argument("--batches", default="1,4,16", help="batches of the correctness checks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -189,7 +199,7 @@ def main() -> int:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
     rt1 = None
-    for batch in ([1] if args.quick else [1, 4, 16]):
+    for batch in ([1] if args.quick else [int(b) for b in args.batches.split(",")]):
         for gemv in args.gemv.split(","):
             rt = correctness(batch, gen, gemv=gemv)
             rt1 = rt1 or rt

@@ -50,7 +50,7 @@ def main() -> None:
                           batch=batch, name=f"mla_b{batch}")
         for v in variants:
             kv = dict(f.split("=") for f in v.split(",") if f)
-            plan = dataclasses.replace(base, **{k: type(getattr(base, k))(x) for k, x in kv.items()})
+            plan = dataclasses.replace(base, **{k: type(getattr(base, k) if getattr(base, k) is not None else 0)(x) for k, x in kv.items()})
             rt = Megakernel(plan)
             parts.fill_(float("nan"))
             rt.step()

@@ -42,6 +42,20 @@ def test_plan_validation():
         KernelPlan(tasks=bad, queues=((0,),), num_events=1)
     with pytest.raises(ValueError, match="out of range"):
         KernelPlan(tasks=(TaskRow(Opcode.NOP, 0, wait_event=5),), queues=((0,),), num_events=1)
+    with pytest.raises(ValueError, match="gemv_kw 3"):
+        small_plan(gemv_kw=3)
+    with pytest.raises(ValueError, match="gemv_kw 16"):
+        small_plan(gemv_kw=16, threads=256)
+
+
+def test_grouped_gemv_default_by_batch():
+    """The grouped tensor-core GEMV (warps per unit) is the default at batch <= 8 only; an explicit
+    gemv_kw (0: the split-K body) wins, and it reaches the template."""
+    assert [small_plan(batch=b).gemv_warps_per_unit for b in (1, 4, 8, 9, 16)] == [4, 4, 4, 0, 0]
+    assert small_plan(batch=4, gemv_kw=0).gemv_warps_per_unit == 0
+    assert small_plan(batch=16, gemv_kw=8).gemv_warps_per_unit == 8
+    assert "GEMV_KW = 4" in render(small_plan(batch=4))
+    assert "GEMV_KW = 0" in render(small_plan(batch=16))
 
 
 def test_split_rows_balanced():

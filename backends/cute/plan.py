@@ -339,6 +339,14 @@ class KernelPlan:
     unroll: int = 4
     rows_per_warp: int = 1  # GEMV_BF16 on CUDA cores: rows a warp streams together (share x loads)
     mma_tiles_per_unit: int = 2  # GEMV_BF16 on tensor cores: 16-row tiles a warp streams together (share x loads)
+    # GEMV_BF16 on tensor cores: warps that share one unit's rows, each taking every gemv_kw-th
+    # run of MMA_UNROLL 32-column chunks, so the unit's rows are requested gemv_kw x MMA_UNROLL x
+    # 64 bytes at a time (a task with fewer units than warp groups gets more warps per unit).
+    # 0: the split-K body (one warp per unit, K parts only for tasks with few units). None: 4 at
+    # batch <= 8, 0 above (slice4-e128 step on the H200, one run: B = 4 5122 against 5339 us;
+    # B = 16 8880 against 8463, where the activations are as many bytes per chunk as a tile's
+    # weights; docs/results/cute_speed_h200_slice4-e128_gemv_grouped_stop13.log).
+    gemv_kw: int | None = None
     # GEMV_BF16 body: "mma" (tensor cores, weights on M, batch on N; needs K % 32 == 0 in every
     # GEMV_BF16 row), "simt" (CUDA-core dot products, one warp per row), "auto": mma at batch > 1
     # when it can, simt at batch 1 (slice4-e128 on the H200: 3535 us simt vs 3675 us mma at B=1;
@@ -371,6 +379,8 @@ class KernelPlan:
             raise ValueError(f"gemv {self.gemv!r} must be 'auto', 'mma' or 'simt'")
         if self.gemv == "mma" and not self._mma_fits():
             raise ValueError("gemv='mma' needs K % 32 == 0 in every GEMV_BF16 row")
+        if self.gemv_kw is not None and (self.gemv_kw not in (0, 1, 2, 4, 8, 16) or self.gemv_kw * 32 > self.threads):
+            raise ValueError(f"gemv_kw {self.gemv_kw} must be 0 or a power of two up to the warps")
         if self.mma_tiles_per_unit not in (1, 2, 4):
             raise ValueError(f"mma_tiles_per_unit {self.mma_tiles_per_unit} must be 1, 2 or 4")
         if not 1 <= self.mla_head_tiles <= 4:
@@ -444,6 +454,13 @@ class KernelPlan:
     def gemv_mma(self) -> bool:
         """GEMV_BF16 rows run on tensor cores (the template's switch)."""
         return self.gemv == "mma" or (self.gemv == "auto" and self.batch > 1 and self._mma_fits())
+
+    @property
+    def gemv_warps_per_unit(self) -> int:
+        """gemv_kw resolved (the template's GEMV_KW): 0 selects the split-K body."""
+        if self.gemv_kw is not None:
+            return self.gemv_kw
+        return min(4, self.threads // 32) if self.batch <= 8 else 0
 
     @property
     def num_ctas(self) -> int:
