@@ -6,7 +6,10 @@ Each cut edits the installed body template (restored afterwards, also on failure
 new compile; the cut variants compute wrong results on purpose (timing only: their 'rel err'
 says how wrong). Differences against 'full' bound what each part costs.
 """
-import os, re, subprocess, sys, shutil
+import os
+import subprocess
+import sys
+
 import fusec.backends.cute as cb
 T = os.path.join(os.path.dirname(cb.__file__), "templates", "bodies", "mla.py.j2")
 orig = open(T).read()

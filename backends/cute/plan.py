@@ -365,10 +365,11 @@ class KernelPlan:
     delay_ns: int = 0
     profile: bool = False       # record per-row timestamps (PROF_OFFSET_WORDS)
     # MLA PARTIAL: heads per block in m16 tiles (a block's output accumulators stay in registers
-    # over the cache). 3 tiles: K3's 64 heads in two blocks. One block of 4 was 30% faster alone
-    # (benchmarks/mla_partial.py, cache in L2) but 47-67 us slower in the slice4-e128 step at
-    # B = 4 and 16 (same run, stop 11: before the stages were double-buffered).
-    mla_head_tiles: int = 3
+    # over the cache). 4: K3's 64 heads in one block. With P and V fragments by ldmatrix (stop 13)
+    # the body alone is 152 against 177 us with 3 tiles at B = 16, 53 against 57 at B = 4, and the
+    # slice4-e128 step 8076 against 8134 / 5179 against 5196 us (one H200 run,
+    # docs/results/mla_partial_h200_stop13.log, cute_speed_h200_slice4-e128_mla_stop13.log).
+    mla_head_tiles: int = 4
     mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
 
