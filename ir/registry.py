@@ -159,6 +159,9 @@ class OpDef:
     # at least this many tasks when it anchors a family, SMs permitting (latency-bound work, e.g.
     # one KDA head per task); None: sized by bytes alone
     min_tasks: Callable[[Mapping], int] | None = None
+    # its result rows (dim 0, the batch) are independent work (one recurrent state per row): a
+    # family it anchors may cut them too when its column tiles leave SMs idle (`Tiling.columns`)
+    split_rows: bool = False
     # the exact regions a tile reads: `regions(attrs, input shapes, output shape, input full
     # boxes)` returns f(obox) -> the box of each input (None: not read) needed to compute box
     # `obox` of result 0; built once per op, called per tile. None: the generic rules of

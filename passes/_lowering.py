@@ -213,7 +213,30 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
     n = min(ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
     if anchor.opdef.min_tasks is not None:   # latency-bound (one KDA head per task) while SMs last
         n = max(n, min(ctx.sms, anchor.opdef.min_tasks(anchor.attrs)))
-    return [fb[:-1] + (r,) for r in _cuts(s[-1], n, tuple(rules))], anchor.opname
+    cols = _cuts(s[-1], n, tuple(rules))
+    parts = _row_parts(ctx, ops, s[0], len(cols)) if anchor.opdef.split_rows and len(s) >= 2 else 1
+    if parts > 1:                            # (head, batch rows) tiles: SMs the heads leave idle
+        return [(r,) + fb[1:-1] + (c,) for c in cols for r in splits(s[0], parts)], anchor.opname
+    return [fb[:-1] + (r,) for r in cols], anchor.opname
+
+
+def _row_parts(ctx: _Ctx, ops: list[Op], rows: int, cols: int) -> int:
+    """How many ranges to cut the `rows` batch rows of a family into beside its `cols` column
+    tiles (an anchor with `split_rows`): the fewest that minimise its predicted span, waves of
+    tasks (ceil(tasks / SMs)) times the largest task's time, each task moving its share of the
+    bytes the family's ops read and write (a recurrent state both)."""
+    if cols >= ctx.sms or rows <= 1:
+        return 1
+    moved = 0.0
+    for o in ops:
+        c = o.opdef.cost([v.type for v in o.inputs], [v.type for v in o.outputs], o.attrs, ctx.dims)
+        moved += c.bytes_read + c.bytes_written
+
+    def span(r):
+        biggest = math.ceil(rows / r)        # rows of the largest task (splits: near-equal ranges)
+        t = task_time_us(ctx.spec, moved * biggest / (rows * cols), 0.0, sms=ctx.sms)
+        return round(math.ceil(cols * r / ctx.sms) * t, 6)
+    return min(range(1, rows + 1), key=lambda r: (span(r), r))
 
 
 # -- units -----------------------------------------------------------------------------------

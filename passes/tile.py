@@ -26,6 +26,9 @@ How a group becomes tasks (tile sizes and families in `passes/_lowering.py`, the
   row), S = SMs / batch chunks of at least the op's `seq_split.min_rows`) and `attention_combine`
   (split over heads); other attention and the KDA recurrence split over heads; in-place state updates store to the
   state parameter's own name (the region they read);
+- an anchor with `OpDef.split_rows` (the KDA recurrence: a state per batch row) whose column tiles
+  leave SMs idle is also cut over batch rows: (head, batch rows) tiles, as many row ranges as
+  minimise the family's predicted span (`_row_parts`); at batch 1 nothing changes;
 - a collective becomes a push unit (one task per peer offset d: write the whole operand into
   slot d of the peer's `comm` buffer, signal the peer at system scope) and a local unit that
   reduces or gathers the slots (`emit_collective` in `passes/_collectives.py`; events and the

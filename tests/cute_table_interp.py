@@ -232,30 +232,34 @@ class Interp:
                 out[i] = (wgt[:, None] * flat[:, i, :K]).sum(0) / wgt.sum()
 
     def ew(self, r, B) -> None:
+        """Columns N0..N1 of batch rows K >> 16 .. K & 0xFFFF (K = 0: every row); every operand
+        indexed by batch row is read and written at those rows only (`rs`)."""
         sub, fl = EwOp(r.sub), r.p1
         cols = slice(r.n0, r.n1)
+        b0, b1 = (r.k >> 16, r.k & 0xFFFF) if r.k else (0, B)
+        rs = slice(b0, b1)
         if sub == EwOp.APPEND:
             a = self.mat(r.a0, B, r.n1, r.ldx, bool(fl & F32Flag.A0))
             pos = self.t(r.a3, torch.int32, (B,), (1,))
-            for b in range(B):
+            for b in range(b0, b1):
                 row = self.t(r.a1 + 2 * (b * r.p0 + int(pos[b]) * r.ldy), torch.bfloat16, (r.n1,), (1,))
                 row[cols] = a[b, cols].to(row.dtype)
             return
         if sub == EwOp.WSUM:   # sum over P2 slots (stride P0) of fp32 weights (A1 [B, P2]) * a[b, j]
             K = r.p2
             a = self.t(r.a0, torch.float32 if fl & F32Flag.A0 else torch.bfloat16, (B, K, r.n1),
-                       (r.ldx, r.p0, 1)).float()[..., cols]
-            w = self.t(r.a1, torch.float32, (B, K), (K, 1))
+                       (r.ldx, r.p0, 1)).float()[rs, :, cols]
+            w = self.t(r.a1, torch.float32, (B, K), (K, 1))[rs]
             y = get_op("moe_combine").ref([a, w], {})[0]
         elif sub == EwOp.GATHER:
-            ids = self.t(r.a3, torch.int32, (B,), (1,))
+            ids = self.t(r.a3, torch.int32, (B,), (1,))[rs]
             tab = self.mat(r.a0, int(ids.max()) + 1, r.n1, r.ldx, bool(fl & F32Flag.A0))
             y = tab[ids.long(), cols].float()
         else:
-            a = self.mat(r.a0, B, r.n1, r.ldx, bool(fl & F32Flag.A0))[:, :].float()
+            a = self.mat(r.a0, B, r.n1, r.ldx, bool(fl & F32Flag.A0))[rs].float()
             if sub == EwOp.ROPE:
                 d, half = r.p2, r.p2 // 2
-                pos = self.t(r.a3, torch.int32, (B,), (1,)).float()
+                pos = self.t(r.a3, torch.int32, (B,), (1,))[rs].float()
                 inv = self.t(r.a4, torch.float32, (half,), (1,))
                 xs = a[:, cols].unflatten(-1, (-1, d))
                 ang = pos[:, None] * inv[None, :]
@@ -267,7 +271,7 @@ class Interp:
             elif sub == EwOp.CONV:
                 W = r.p2
                 st = self.t(r.a1, torch.bfloat16 if not fl & F32Flag.A1 else torch.float32, (B, r.n1, W - 1),
-                            (r.p0, W - 1, 1))[:, cols]
+                            (r.p0, W - 1, 1))[rs, cols]
                 w = self.t(r.a3, torch.float32 if fl & F32Flag.A3 else torch.bfloat16, (r.n1, 1, W), (W, W, 1))[cols]
                 y, ns = get_op("conv_update").ref([a[:, cols], st, w], {})
                 st.copy_(ns.to(st.dtype))
@@ -278,18 +282,18 @@ class Interp:
                 w = self.t(r.a3, torch.float32 if fl & F32Flag.A3 else torch.bfloat16, (r.p2,), (1,))
                 y = get_op("rms_norm").ref([a[:, cols], w], {"eps": _f32_hi(r.aux), "out_dtype": ""})[0]
             elif sub == EwOp.GATED_RMS:
-                g = self.mat(r.a1, B, r.n1, r.p0, bool(fl & F32Flag.A1))[:, cols]
+                g = self.mat(r.a1, B, r.n1, r.p0, bool(fl & F32Flag.A1))[rs, cols]
                 w = self.t(r.a3, torch.float32 if fl & F32Flag.A3 else torch.bfloat16, (r.p2,), (1,))
                 y = get_op("gated_rms_norm").ref([a[:, cols], g, w], {"head_dim": r.p2, "eps": _f32_hi(r.aux)})[0]
             elif sub == EwOp.KDA_GATE:
-                dtb = self.mat(r.a1, B, r.n1, 0, bool(fl & F32Flag.A1)).float()[:, cols]
+                dtb = self.mat(r.a1, B, r.n1, 0, bool(fl & F32Flag.A1)).float()[rs, cols]
                 alog = self.t(r.a3, torch.float32 if fl & F32Flag.A3 else torch.bfloat16, ((r.n1 - 1) // r.p2 + 1,), (1,))
                 idx = torch.arange(r.n0, r.n1) // r.p2
                 y = -5.0 * torch.sigmoid(torch.exp(alog.float()[idx]) * (a[:, cols] + dtb))
             elif sub == EwOp.SIGMOID:
                 y = torch.sigmoid(a[:, cols])
             else:
-                bt = self.mat(r.a1, B, r.n1, r.p0, bool(fl & F32Flag.A1)).float()
+                bt = self.mat(r.a1, B, r.n1, r.p0, bool(fl & F32Flag.A1)).float()[rs]
                 x, z = a[:, cols], bt[:, cols]
                 if sub == EwOp.ADD:
                     y = x + z
@@ -303,7 +307,7 @@ class Interp:
                 else:
                     raise NotImplementedError(f"interp: EW {sub.name}")
         o = self.mat(r.a2, B, r.n1, r.ldy, bool(fl & F32Flag.OUT))
-        o[:, cols] = y.to(o.dtype)
+        o[rs, cols] = y.to(o.dtype)
 
 
 def interp_on_arena(low, weights, mutate=None):

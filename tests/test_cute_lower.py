@@ -7,7 +7,8 @@
   (tests/cute_table_interp.py) in random legal CTA interleavings, matches the reference executor;
   planted bugs (a dropped signal, a wrong threshold, a wrong address) are caught;
 - Kimi K3 tiny lowers too (attn_res stacks, router, KDA, MXFP4 experts, MLA, split-sequence MLA)
-  and matches the reference over the lowered graph bit for bit, 8 steps at batch 1 and 4;
+  and matches the reference over the lowered graph bit for bit, 8 steps at batch 1 and 4 (at 4
+  with the KDA families cut over (head, batch row) tasks and EW rows over a task's rows);
   multi-rank schedules and ops without a body fail with one line;
 - with nvidia-cutlass-dsl: the Llama tiny and K3 tiny megakernels compile for sm_90a and pass
   the PTX audit, `fusec compile --emit cute [--aot]` writes its files, and the generated K3 tiny
@@ -175,10 +176,38 @@ def test_planted_wrong_address_is_caught(llama_low):
     assert max(errs) > 2e-2
 
 
+def _kda_items(low):
+    """Per KDA op (its state's address): {task: the (batch row, head) items its KDA rows update},
+    and the batch rows K of each task's EW rows (plan.py: b0 << 16 | b1, 0 = every row)."""
+    items = collections.defaultdict(lambda: collections.defaultdict(set))
+    ew_rows = collections.defaultdict(set)
+    for r in low.rows:
+        if r.opcode == Opcode.KDA:
+            items[r.a3][r.task_id] |= {divmod(i, r.p0) for i in range(r.n0, r.n1)}
+        elif r.opcode == Opcode.EW:
+            ew_rows[r.task_id].add(r.k)
+    return items, ew_rows
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_k3_tiny_lowered_table_matches_reference(batch):
+    """At batch 4 the KDA families are cut over (head, batch rows) as well as heads (K3 tiny's 4
+    heads leave SMs idle; OpDef.split_rows): each task updates its rows' states of one head and
+    its gated norm (an EW row) runs those rows only; the interpreted table still computes the
+    reference bit for bit."""
     g = kimi_k3.build_graph("tiny")
     prog, low = lower_for_cute(g, batch, L)
+    items, ew_rows = _kda_items(low)
+    heads = {r.p0 for r in low.rows if r.opcode == Opcode.KDA}.pop()
+    assert items
+    for per_task in items.values():                  # every (row, head) once, over the tasks
+        every = [it for its in per_task.values() for it in its]
+        assert sorted(every) == [(b, h) for b in range(batch) for h in range(heads)]
+        for tid, its in per_task.items():
+            rows = sorted({b for b, _ in its})
+            assert len({h for _, h in its}) == 1 and rows == list(range(rows[0], rows[-1] + 1))
+            # one row per task at batch 4; the task's EW rows name its rows (none at batch 1)
+            assert len(rows) == 1 and ew_rows[tid] == ({(rows[0] << 16) | (rows[0] + 1)} if batch > 1 else {0})
     errs, same = _interp_run(g, prog, low, steps=8, seed=0, module=kimi_k3)
     assert max(errs) == 0.0 and same, errs     # the reference's rounding points: bit for bit
 

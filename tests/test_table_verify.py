@@ -4,7 +4,8 @@ against the verified Schedule.
 Clean tables of K3 tiny (batch 1 and 4, bf16 experts, split-sequence MLA) and Llama tiny are
 accepted; planted lowering bugs in the table (a dropped or weakened wait, a signal moved before
 the stores or onto another task, a shifted address, a prefetch of an activation, a queue out of
-order, a field left unrelocated) are each rejected with their rule; `Lowered.plan()` runs the
+order, a field left unrelocated, an EW or KDA row of a task over part of the batch run on other
+batch rows) are each rejected with their rule; `Lowered.plan()` runs the
 check, so a broken table never reaches a kernel. An embedding cut into column tasks, each
 loading all 163840 vocabulary rows at its columns, verifies in a fraction of a second and a read
 one byte past its slice is still caught; the symbolic byte sets the check runs on give the same
@@ -149,11 +150,25 @@ def test_planted_table_bugs_are_rejected(request, name):
         i = _first(rows, lambda r: r.opcode == Opcode.GEMV_BF16)
         rows[i] = dataclasses.replace(rows[i], task_id=rows[i].task_id + 1)
 
+    def ew_every_row(rows):         # a KDA task's gated norm (over its batch rows) run on every row
+        i = _first(rows, lambda r: r.opcode == Opcode.EW and r.sub == EwOp.GATED_RMS and r.k)
+        rows[i] = dataclasses.replace(rows[i], k=0)
+
+    def ew_other_rows(rows):        # ... on the next task's rows
+        i = _first(rows, lambda r: r.opcode == Opcode.EW and r.sub == EwOp.GATED_RMS and r.k == 1)
+        rows[i] = dataclasses.replace(rows[i], k=(1 << 16) | 2)
+
+    def kda_other_row(rows):        # a KDA row of a (head, batch row) task on the next batch row
+        i = _first(rows, lambda r: r.opcode == Opcode.KDA and r.n0 < r.p0)
+        rows[i] = dataclasses.replace(rows[i], n0=rows[i].n0 + rows[i].p0, n1=rows[i].n1 + rows[i].p0)
+
     expect = {drop_wait: "T2", low_threshold: "T2", early_signal: "T3", swap_signals: "T3",
               shift_weight: "T5", shift_output: "T4", shift_input: "T5", prefetch_activation: "T6",
               narrow_columns: "T4", other_task: "T1"}
     if name == "lla":
         expect[wait_moved_late] = "T2"
+    else:                           # batch 2: K3 tiny's KDA families are cut over batch rows
+        expect.update({ew_every_row: "T4", ew_other_rows: "T4", kda_other_row: "T5"})
     for edit, rule in expect.items():
         assert rule in planted(edit), edit.__name__
 

@@ -285,7 +285,13 @@ class _TaskLowering(MixerLowering):
         fn = LOWERINGS.get(op.opname)
         if fn is None:
             raise self.error(f"no megakernel task body for op '{op.opname}' (%{op.outputs[0].name})")
-        return fn(self, OpCtx(self, t, op, cols, anchor, redirect))
+        rows = fn(self, OpCtx(self, t, op, cols, anchor, redirect))
+        b0, b1 = self._rows(t)
+        if (b0, b1) == (0, self.B):
+            return rows
+        # a task over part of the batch (a KDA family cut over batch rows, tokenwise units): its
+        # EW rows run only its rows (K word; 0 = every row)
+        return [(dataclasses.replace(r, k=(b0 << 16) | b1) if r.opcode == Opcode.EW else r, fs) for r, fs in rows]
 
     @lowers('rms_norm')
     def _lower_rms_norm(self, c: OpCtx):
@@ -294,8 +300,6 @@ class _TaskLowering(MixerLowering):
         if anchor is not None and anchor.inputs[0].name == out:
             redirect[out] = _scratch_name(t, out)
         if view(ins[0]).dtype is DType.f32:   # RMSNORM streams bf16: fp32 input -> EW RMS (one head)
-            if (b0, b1) != (0, self.B):
-                raise self.error(f"rms_norm %{out} of fp32 on batch rows {b0}:{b1}: EW RMS runs every row")
             x, o, gm = view(ins[0]), view(out), view(ins[1])
             k = x.shape[-1]
             return [(TaskRow(Opcode.EW, t.id, a0=off(ins[0]), a2=off(out), a3=off(ins[1]), n0=0, n1=k,

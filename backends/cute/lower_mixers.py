@@ -8,8 +8,8 @@ Layout adaptations the bodies need are made here with per-task scratch (never sh
   attn_res        ATTN_RES (fused with the task's rms_norm) over the task's batch rows, reading the
                   sources in place through a table of byte distances (const rel_ptrs); sources of
                   mixed dtype or row stride are first copied (EW COPY) into a bf16 stack
-  kda_recurrent   one KDA row per batch row (items b * H + h are contiguous only within a row);
-                  fp32 beta flagged in P1
+  kda_recurrent   one KDA row per batch row of the task (items b * H + h are contiguous only
+                  within a row); fp32 beta flagged in P1
   moe_gate_up / moe_down  one EXPERT row (GLU / DOWN) per slot of the task's (batch rows, slots,
                   rows) tile: each task streams only its own tokens' experts
   moe_combine     EW WSUM over the slots (fp32 routing weights); as the prologue of a GEMV group
@@ -114,7 +114,7 @@ class MixerLowering:
         for vv in (q, k, v, g):
             if view(vv).row_stride != view(q).row_stride:
                 raise self.error(f"kda_recurrent %{out}: q, k, v, g need one row stride")
-        for b in range(self.B):
+        for b in range(*self._rows(t)):        # the task's batch rows (a tile may hold part of them)
             rows.append((TaskRow(Opcode.KDA, t.id, a0=off(q), a1=off(k), a5=off(v), a6=off(g),
                                  a4=off(beta), a3=off(state), a2=off(out),
                                  n0=b * h + h0, n1=b * h + h1, k=d, ldx=view(q).row_stride,

@@ -26,7 +26,7 @@ queue[c, 0] .. queue[c, 1] - 1 (queue is int32 [num_ctas, 2]). Word layout of on
   9     A3             address of a side operand (MXFP4 scales), 0 if unused
   10    N0             first output row (GEMV) or first batch row (RMSNORM) of the tile
   11    N1             one past the last row of the tile
-  12    K              reduction length (GEMV) or hidden size (RMSNORM)
+  12    K              reduction length (GEMV) or hidden size (RMSNORM); EW: batch rows b0 << 16 | b1
   13    LDX            row stride of the activation operand, in elements
   14    LDY            row stride of the output, in elements
   15    AUX            opcode-specific scalar (RMSNORM: float32 bits of eps; EW/ROUTER: `f32_pair`)
@@ -139,9 +139,11 @@ class Opcode(enum.IntEnum):
                Ids < 0 (other EP rank) store 0. The bf16 body reads each distinct expert's rows
                once for all the pairs that chose it (grouped after routing, on tensor cores).
     EXPERT_MXFP4 same with MXFP4 weights; A3 / A6 = e8m0 scales of A0 / A5.
-    EW         elementwise / per-head epilogues, sub-opcode `EwOp` in SUB, columns N0..N1 of every
-               batch row: A0 = a [B, LDX], A1 = b [B, P0] (P0 = 0 broadcasts a vector),
-               A2 = out [B, LDY], A3 = third operand (conv weight, A_log, norm weight);
+    EW         elementwise / per-head epilogues, sub-opcode `EwOp` in SUB, columns N0..N1 of
+               batch rows K >> 16 .. K & 0xFFFF (K = 0: every batch row): A0 = a [B, LDX],
+               A1 = b [B, P0] (P0 = 0 broadcasts a vector), A2 = out [B, LDY], A3 = third
+               operand (conv weight, A_log, norm weight); operands indexed by batch row (pos,
+               ids, routing weights, conv state, cache) are read and written at those rows only;
                P1 = `F32Flag` dtype bits (else bf16), P2 = head_dim / conv width,
                AUX = f32_pair(scale, eps).
     ROUTER     one token per row b in N0..N1: scores = sigmoid(logits A0 [B, LDX] (F32Flag.A0)),
@@ -415,6 +417,9 @@ class KernelPlan:
                                            or t.k * t.k % self.threads):
                 raise ValueError(f"task {t.task_id}: KDA head dim {t.k} must be <= {KDA_MAX_HEAD_DIM}, "
                                  f"divide threads={self.threads} and D*D be a multiple of it")
+            if t.opcode == Opcode.EW and t.k and not 0 <= (t.k >> 16) < (t.k & 0xFFFF) <= self.batch:
+                raise ValueError(f"task {t.task_id}: EW batch rows {t.k >> 16}..{t.k & 0xFFFF} are not a "
+                                 f"range within 0..{self.batch}")
             if t.opcode == Opcode.ATTN_RES and not 0 < t.p1 <= ATTN_RES_MAX_SOURCES:
                 raise ValueError(f"task {t.task_id}: attn_res needs 1..{ATTN_RES_MAX_SOURCES} sources")
             if t.opcode == Opcode.MLA and (t.k > MLA_MAX_LORA or t.p2 > MLA_MAX_ROPE or t.p1 > MLA_MAX_CHUNKS):

@@ -301,15 +301,16 @@ def footprint(w, B: int, base: int, arena: _Arena, consts: dict) -> tuple[list, 
 
 
 def _ew(w, at, B, arena, R, Wr, RS) -> None:
-    """EW rows: columns N0..N1 of every batch row (plan.EwOp)."""
+    """EW rows: columns N0..N1 of batch rows K >> 16 .. K & 0xFFFF, every row when K = 0 (plan.EwOp)."""
     n0, n1, ldx, ldy = w[Word.N0], w[Word.N1], w[Word.LDX], w[Word.LDY]
     sub, p0, fl, p2 = w[Word.SUB], w[Word.P0], w[Word.P1], w[Word.P2]
-    allb = range(B)
+    b0, b1 = (w[Word.K] >> 16, w[Word.K] & 0xFFFF) if w[Word.K] else (0, B)
+    allb = range(b0, b1)
     ea, eb, eo = _f32(fl, F32Flag.A0), _f32(fl, F32Flag.A1), _f32(fl, F32Flag.OUT)
     e3 = _f32(fl, F32Flag.A3)
     if sub == EwOp.APPEND:                   # cache (A1)[b, pos[b], c] = a[b, c]: every row pos can name
         R.append(_rows(at(0), ea, allb, ldx, n0, n1))
-        R.append([(at(3), at(3) + 4 * B)])
+        R.append([(at(3) + 4 * b0, at(3) + 4 * b1)])
         L = p0 // ldy if ldy else 0
         for b in allb:
             Wr.append(_rows(at(1) + b * p0 * eb, eb, range(L), ldy, n0, n1))
@@ -318,12 +319,12 @@ def _ew(w, at, B, arena, R, Wr, RS) -> None:
         for b in allb:
             for j in range(p2):
                 R.append([(at(0) + (b * ldx + j * p0 + n0) * ea, at(0) + (b * ldx + j * p0 + n1) * ea)])
-        R.append([(at(1), at(1) + 4 * B * p2)])
+        R.append([(at(1) + 4 * b0 * p2, at(1) + 4 * b1 * p2)])
     elif sub == EwOp.GATHER:                 # table (A0)[ids[b], c]: every row an id can name
         reg = arena.region_at(at(0))       # the ids: as many rows as the table holds
         rows = reg.nbytes // (ldx * ea) if reg is not None and ldx else 0
         RS(_rows(at(0), ea, range(rows), ldx, n0, n1) or [(-1, 0)])
-        R.append([(at(3), at(3) + 4 * B)])
+        R.append([(at(3) + 4 * b0, at(3) + 4 * b1)])
     else:
         R.append(_rows(at(0), ea, allb, ldx, n0, n1))
         if sub in (EwOp.ADD, EwOp.SIGMOID_MUL, EwOp.SITU_GLU, EwOp.SILU_MUL, EwOp.GATED_RMS, EwOp.KDA_GATE):
@@ -345,7 +346,7 @@ def _ew(w, at, B, arena, R, Wr, RS) -> None:
                 Wr.append([st])
             RS([(at(3) + n0 * Wd * e3, at(3) + n1 * Wd * e3)])
         elif sub == EwOp.ROPE:               # pos (A3) and inv_freq (A4, fp32 [P2 / 2])
-            R.append([(at(3), at(3) + 4 * B)])
+            R.append([(at(3) + 4 * b0, at(3) + 4 * b1)])
             RS([(at(4), at(4) + 4 * (p2 // 2))])
         elif sub not in (EwOp.ADD, EwOp.SIGMOID_MUL, EwOp.SITU_GLU, EwOp.SILU_MUL, EwOp.SIGMOID, EwOp.COPY,
                          EwOp.L2_NORM):

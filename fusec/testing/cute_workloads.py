@@ -113,18 +113,20 @@ def _f32_flag(t, flag) -> int:
 
 
 def ew_task(sub: EwOp, a, out, task_id: int, *, b=None, c=None, head_dim: int = 1, scale: float = 1.0,
-            eps: float = 0.0, cols=None, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> TaskRow:
-    """One EW task over columns `cols` (default all) of every row of a [B, C] and out [B, C].
+            eps: float = 0.0, cols=None, rows=None, wait=(NO_EVENT, 0, 0), signal=NO_EVENT) -> TaskRow:
+    """One EW task over columns `cols` (default all) of batch rows `rows` = (b0, b1) (default
+    every row) of a [B, C] and out [B, C].
 
     b: second operand [B, C] or a vector [C] (broadcast); for CONV the state [B, C, W-1] (updated
     in place) and c the weight [C, 1, W]; for KDA_GATE c = A_log (head_dim = per-head broadcast,
     1 = per channel); for GATED_RMS c = the norm weight [head_dim].
     """
     n0, n1 = cols if cols is not None else (0, a.shape[-1])
+    k = (rows[0] << 16) | rows[1] if rows is not None else 0
     ldy = out.stride(0)
     if sub == EwOp.APPEND:  # b = cache [B, L, W] (updated in place), c = pos int32 [B]
         return TaskRow(Opcode.EW, task_id, a0=a.data_ptr(), a1=b.data_ptr(), a2=b.data_ptr(),
-                       a3=c.data_ptr(), n0=n0, n1=n1, ldx=a.stride(0), ldy=b.stride(1), sub=sub,
+                       a3=c.data_ptr(), n0=n0, n1=n1, k=k, ldx=a.stride(0), ldy=b.stride(1), sub=sub,
                        p0=b.stride(0), p1=_f32_flag(a, F32Flag.A0) | _f32_flag(b, F32Flag.A1),
                        **_wait_kw(wait, signal))
     if sub == EwOp.CONV:
@@ -135,7 +137,7 @@ def ew_task(sub: EwOp, a, out, task_id: int, *, b=None, c=None, head_dim: int = 
     flags = (_f32_flag(a, F32Flag.A0) | _f32_flag(b, F32Flag.A1) | _f32_flag(out, F32Flag.OUT)
              | _f32_flag(c, F32Flag.A3))
     return TaskRow(Opcode.EW, task_id, a0=a.data_ptr(), a1=b.data_ptr() if b is not None else 0,
-                   a2=out.data_ptr(), a3=c.data_ptr() if c is not None else 0, n0=n0, n1=n1,
+                   a2=out.data_ptr(), a3=c.data_ptr() if c is not None else 0, n0=n0, n1=n1, k=k,
                    ldx=a.stride(0), ldy=ldy, sub=sub, p0=ldb, p1=flags, p2=p2,
                    aux=f32_pair(scale, eps), **_wait_kw(wait, signal))
 

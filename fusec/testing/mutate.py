@@ -251,8 +251,24 @@ def _early_signal(s, rng):
         i = s.tasks[x[0]].instrs[x[1]]
         return counts[(i.peer, i.event)] == 1
 
+    # and one whose early move some run can show: a waiter that loads what the task stores is
+    # ordered after the task by this wait alone (not by its queue or by other waits on tasks
+    # queued behind the signaler, which make the move harmless in every order; V6 rejects it still)
+    order = _Order(s)
+
+    def observable(x):
+        t = s.tasks[x[0]]
+        ev = t.instrs[x[1]].event
+        stored = {i.region.tensor for i in t.instrs if i.kind is InstrKind.STORE}
+        for w in s.tasks:
+            skip = {k for k, i in enumerate(w.instrs) if i.kind is InstrKind.WAIT and i.event == ev}
+            if skip and stored & {i.region.tensor for i in w.loads()} and not order.ordered(t.id, w.id, skip):
+                return True
+        return False
+
     data = [x for x in sites if orders_data(x)]
-    tid, k, first = _pick(rng, [x for x in data if alone(x)] or data or sites, "no task signals after a store")
+    pool = [x for x in data if alone(x)] or data or sites
+    tid, k, first = _pick(rng, [x for x in pool if observable(x)] or pool, "no task signals after a store")
     t = s.tasks[tid]
     ins = t.instrs.pop(k)
     t.instrs.insert(first, ins)

@@ -114,7 +114,8 @@ def _kda_rec_cost(ins, outs, at, dims):
 
 
 def _kda_rec_regions(at, sh, out, full):
-    """obox [B, h0*D:h1*D]: the heads' q, k, v, g columns, beta heads and whole D x D states."""
+    """obox [b0:b1, h0*D:h1*D]: the rows' q, k, v, g columns of the heads, their beta heads and
+    whole D x D states."""
     d = at["head_dim"]
 
     def kda_recurrent(obox):
@@ -127,8 +128,8 @@ register(OpDef("kda_recurrent", ("q", "k", "v", "g", "beta", "state"), ("o", "ne
                _kda_rec_infer, _kda_rec_ref, attrs={"heads": Attr(A.int), "head_dim": Attr(A.int)},
                traits=frozenset({Trait.stateful}), aliases={1: 5}, cost_fn=_kda_rec_cost,
                tiling=Tiling.columns, tile_step=lambda at: at["head_dim"],
-               streams=(5,), min_tasks=lambda at: at["heads"],
-               # the heads of the tile's columns, each head's whole D x D state
+               streams=(5,), min_tasks=lambda at: at["heads"], split_rows=True,
+               # the tile's batch rows and the heads of its columns, each head's whole D x D state
                state_box=lambda ob, s, at: (ob[0], (ob[-1][0] // at["head_dim"], ob[-1][1] // at["head_dim"]),
                                             (0, s[2]), (0, s[3])),
                doc="gated delta rule: S <- diag(exp g) S; u = v - k^T S; S += beta k u^T; o = q^T S", regions=_kda_rec_regions))

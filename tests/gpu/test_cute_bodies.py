@@ -124,6 +124,65 @@ def test_kda_attn_res_append_match_registry():
     assert torch.equal(cache, ref("cache_append", (cache0, row, pos))[0])
 
 
+def test_kda_family_over_batch_rows_matches_registry():
+    """A KDA family cut over (head, batch rows), as the tile pass cuts it at batch > 1
+    (OpDef.split_rows): per task, on one CTA, one KDA row per batch row of its range (item
+    b * H + h), then the gated norm of that head over those rows only (EW GATED_RMS, batch rows
+    in K). Also EW ADD and long fp32 EW RMS rows (the vectorised and the CTA-per-row paths) over
+    part of the batch. One (head, rows) task is left out (its KDA output holds 1.0, which a gated
+    norm run on every row would turn into numbers) and rows outside each EW row's range are never
+    written: they stay NaN (state: as it was), so every path honours the K word."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    nan = lambda *s, dtype=torch.float32: torch.full(s, float("nan"), device="cuda", dtype=dtype)  # noqa: E731
+    batch, heads, hd = 4, 3, 128
+    q, k = (torch.nn.functional.normalize(r(batch, heads, hd), dim=-1).flatten(1).to(BF) for _ in range(2))
+    v, g = r(batch, heads * hd).to(BF), -torch.rand(batch, heads * hd, device="cuda", generator=gen)
+    beta = torch.rand(batch, heads, device="cuda", generator=gen).to(BF)
+    st = 0.1 * r(batch, heads, hd, hd)
+    st0, o, y = st.clone(), nan(batch, heads * hd), nan(batch, heads * hd, dtype=BF)
+    gate, w = r(batch, heads * hd).to(BF), 1 + 0.1 * r(hd)
+    kda = wl.kda_tasks(q, k, v, g, beta, st, o, 1)              # row b * heads + h: item (b, h)
+    left_out = (0, (3, 4))                                      # head 0, batch row 3: no task
+    o[3, :hd] = 1.0
+    tasks, queues = [], []
+    for h in range(heads):
+        for b0, b1 in ((0, 1), (1, 3), (3, 4)):
+            if (h, (b0, b1)) == left_out:
+                continue
+            first = len(tasks)
+            tasks += [kda[b * heads + h] for b in range(b0, b1)]
+            tasks.append(wl.ew_task(EwOp.GATED_RMS, o, y, 100 + h, b=gate, c=w, head_dim=hd, eps=1e-5,
+                                    cols=(h * hd, (h + 1) * hd), rows=(b0, b1)))
+            queues.append(tuple(range(first, len(tasks))))
+    a, b = r(batch, 256).to(BF), r(batch, 256).to(BF)
+    xl, gl = r(batch, 3584) * 3.0, (1 + 0.1 * r(3584)).to(BF)
+    add_o, rms_o, rms_u = nan(batch, 256, dtype=BF), nan(batch, 3584, dtype=BF), nan(batch, 3584, dtype=BF)
+    tasks += [wl.ew_task(EwOp.ADD, a, add_o, 200, b=b, rows=(1, 3)),
+              wl.ew_task(EwOp.RMS, xl, rms_o, 201, c=gl, head_dim=3584, eps=1e-6, rows=(2, 4)),
+              wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 202, c=gl[1:], head_dim=3583, eps=1e-6, rows=(0, 2))]
+    queues += [(len(tasks) - 3,), (len(tasks) - 2,), (len(tasks) - 1,)]
+    plan = KernelPlan(tasks=tuple(tasks), queues=tuple(queues), num_events=1, batch=batch, threads=256,
+                      name="k3b_kda_rows")
+    rt = Megakernel(plan)
+    rt.step()
+    rt.check()
+    o_ref, st_ref = ref("kda_recurrent", (q, k, v, g, beta, st0), heads=heads, head_dim=hd)
+    y_ref = ref("gated_rms_norm", (o_ref, gate, w), head_dim=hd, eps=1e-5)[0]
+    done = torch.ones(batch, heads, dtype=torch.bool, device="cuda")
+    done[3, 0] = False
+    cols = done.repeat_interleave(hd, 1)
+    assert wl.rel_err(o[cols], o_ref[cols]) < 2e-2 and wl.rel_err(st[done], st_ref[done]) < 1e-4
+    assert wl.rel_err(y[cols], y_ref[cols]) < 2e-2
+    assert (o[~cols] == 1.0).all() and y[~cols].isnan().all() and torch.equal(st[~done], st0[~done])
+    assert wl.rel_err(add_o[1:3], ref("add", (a[1:3], b[1:3]), out_dtype="")[0]) < 2e-2
+    assert add_o[0].isnan().all() and add_o[3].isnan().all()
+    rms_ref = ref("rms_norm", (xl, gl), eps=1e-6, out_dtype="bf16")[0]
+    assert wl.rel_err(rms_o[2:], rms_ref[2:]) < 1e-2 and rms_o[:2].isnan().all()
+    rms_uref = ref("rms_norm", (xl[:, 1:], gl[1:]), eps=1e-6, out_dtype="bf16")[0]
+    assert wl.rel_err(rms_u[:2, 1:], rms_uref[:2]) < 1e-2 and rms_u[2:].isnan().all()
+
+
 # (batch, heads, cache rows, chunks): chunks past pos stay empty; 52 and 96 heads take two
 # blocks of the tensor-core body (one partly padded); 50-row chunks take two shared-memory stages.
 @pytest.mark.parametrize("batch,h,length,chunks", [(1, 8, 40, 4), (4, 52, 100, 2), (16, 96, 70, 3)])
