@@ -1,0 +1,93 @@
+"""Time compile-time KernelPlan variants of one config's whole step against the default build.
+
+    python benchmarks/plan_variants.py --config slice4-e128 --batch 16 \
+        --variants "mma_tiles_per_unit=4;gemv_kw=2,mma_tiles_per_unit=4" [--reps 20] [--rounds 3]
+
+The default build is `fusec.compile(..., backend="cute", device="cuda")` at position max_len - 1
+(one step first, so the arena holds real routing). Each variant is a new compile of the same task
+table over the same arena: first its logits are checked against the default build's from the
+same state (the state is saved and restored around each step), then every build is timed as
+CUDA-graph replays in interleaved rounds; each round is the median of `reps` replays, and the
+row shows the median round. The same thing as benchmarks/cute_speed.py's --plan-variants, but
+without the profile build and the per-kind table, for one batch at a time when device time is
+short.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import torch
+
+import fusec
+from _timing import median_us  # benchmarks/_timing.py (this script's folder)
+
+
+def _value(plan, field: str, text: str):
+    cur = getattr(plan, field)
+    return type(cur if cur is not None else 0)(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="slice4-e128")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--variants", default="", help="';'-separated 'field=value[,field=value]' plan settings")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    from fusec.backends.cute.runtime import Megakernel
+    import fusec.models as m
+
+    t0 = time.perf_counter()
+    model = os.path.join(os.path.dirname(m.__file__), "kimi_k3.py")
+    cute = fusec.compile(model, args.config, backend="cute", batch=args.batch, max_len=args.max_len, device="cuda")
+    print(f"{torch.cuda.get_device_name()}: {args.config} B={args.batch} built in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    run = cute.runner
+    g = torch.Generator().manual_seed(args.batch)
+    tok = torch.randint(0, run.program.graph.outputs[0].type.shape[-1], (args.batch,), generator=g,
+                        dtype=torch.int32).cuda()
+    pos = torch.full((args.batch,), args.max_len - 1, dtype=torch.int32, device="cuda")
+    run.run(tok, pos)
+    run.check()
+    saved = {n: run.mem.tensor(n).clone() for n in run.state_names}
+
+    def one_step(kernel):
+        """Logits and next tokens of one step of `kernel` from the saved state (restored after)."""
+        out = run.run(tok, pos, kernel=kernel)
+        for n, t in saved.items():
+            run.mem.tensor(n).copy_(t)
+        return out
+
+    ref_logits, ref_next = one_step(run.kernel)[:2]
+    builds = {"default": run.kernel}
+    checks = {"default": ""}
+    for v in (x for x in args.variants.split(";") if x):
+        kv = dict(f.split("=") for f in v.split(","))
+        t1 = time.perf_counter()
+        mk = Megakernel(dataclasses.replace(run.plan, **{k: _value(run.plan, k, x) for k, x in kv.items()}))
+        logits, nxt = one_step(mk)[:2]
+        err = float((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max())
+        agree = int((nxt.flatten() == ref_next.flatten()).sum())
+        checks[v] = f"logits rel err {err:.1e} vs default, next tokens {agree}/{nxt.numel()}"
+        print(f"  {v}: built in {time.perf_counter() - t1:.1f} s, {checks[v]}", flush=True)
+        builds[v] = mk
+    graphs = {v: mk.capture_graph() for v, mk in builds.items()}
+    times: dict[str, list[float]] = {v: [] for v in builds}
+    for _ in range(args.rounds):
+        for v, gr in graphs.items():
+            times[v].append(median_us(gr.replay, args.reps))
+            builds[v].check()
+    base = sorted(times["default"])[len(times["default"]) // 2]
+    print(f"\n| {args.config} B={args.batch} | step us (median round) | vs default | rounds | check |\n|---|---|---|---|---|")
+    for v, ts in times.items():
+        us = sorted(ts)[len(ts) // 2]
+        print(f"| {v} | {us:.0f} | {us / base - 1:+.1%} | {' '.join(f'{t:.0f}' for t in ts)} | {checks[v]} |")
+
+
+if __name__ == "__main__":
+    main()
