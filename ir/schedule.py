@@ -37,7 +37,7 @@ events. `check_families` states what a well-formed list is (the pass manager run
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 from .graph import Graph
 from .types import TensorType
@@ -92,6 +92,26 @@ class Instr:
     peer: int | None = None          # SIGNAL/WAIT on another rank's counter (then scope is sys)
     # LOAD only: the tensor whose run-time value gives this load's address (V3), e.g. router ids
     addressed_by: str | None = None
+
+
+# Every field of an Instr at its default (read from the dataclass, so a new field is never
+# missed): `mem_instr` starts from these.
+_INSTR_DEFAULTS = {f.name: None if f.default is MISSING else f.default for f in fields(Instr)}
+
+
+def mem_instr(kind: InstrKind, region: Region, addressed_by: str | None = None) -> Instr:
+    """`Instr(kind, region, addressed_by=addressed_by)` (a LOAD or STORE), the same object field
+    for field, made in half the time: the frozen dataclass's `__init__` sets each of the eight
+    fields through `object.__setattr__`, and the tile pass makes ~3.4 * 10^5 of them on the
+    full K3. The fields are written straight into the new instance's `__dict__`, which is where
+    that `__init__` puts them too (tests/test_mem_instr.py compares the two)."""
+    i = object.__new__(Instr)
+    d = i.__dict__
+    d.update(_INSTR_DEFAULTS)
+    d["kind"] = kind
+    d["region"] = region
+    d["addressed_by"] = addressed_by
+    return i
 
 
 @dataclass

@@ -16,7 +16,7 @@ import math
 
 from fusec.ir.graph import Graph, Op, Value
 from fusec.ir.registry import Tiling, Trait
-from fusec.ir.schedule import Instr, InstrKind, Region, Task
+from fusec.ir.schedule import Instr, InstrKind, Region, Task, mem_instr
 from fusec.ir.types import Kind, TensorType
 
 from ._collectives import emit_collective
@@ -454,7 +454,7 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                     nb *= hi - lo
                 if a is not None and kinds[vn] is weight:   # one expert's rows of the box
                     nb *= epf.get(vn, 1.0) / shape[vn][0]
-                hit = memo[key] = (Instr(LOAD, Region(storage[vn], intern(box, box)), addressed_by=a), nb)
+                hit = memo[key] = (mem_instr(LOAD, Region(storage[vn], intern(box, box)), a), nb)   # = Instr(...)
             instrs.append(hit[0])
             nbytes += hit[1]
         instrs.append(COMPUTE)
@@ -471,7 +471,7 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
                     nb = bpe[vn]                 # ctx.nbytes(vn, bx)
                     for lo, hi in bx:
                         nb *= hi - lo
-                hit = memo[key] = (Instr(STORE, Region(storage[vn], intern(bx, bx))), nb)
+                hit = memo[key] = (mem_instr(STORE, Region(storage[vn], intern(bx, bx))), nb)   # = Instr(...)
             instrs.append(hit[0])
             nbytes += hit[1]
         tid = len(tasks)
