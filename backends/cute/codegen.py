@@ -30,6 +30,10 @@ DEFAULT_ARCH = GPUS["h200"].arch   # sm_90a: the kernels use Hopper-only feature
 
 def render(plan: KernelPlan) -> str:
     """The generated module's source text (deterministic for a given compile-time plan)."""
+    if plan.ranks > 1:
+        # the COMM body, sys-scope waits / signals and the 29-word rows are not in the template yet
+        raise NotImplementedError(f"cute codegen: a {plan.ranks}-rank table has no megakernel yet (COMM rows, "
+                                  "system-scope events); it is checked on the CPU only (docs/cute_backend.md)")
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
         undefined=jinja2.StrictUndefined,
