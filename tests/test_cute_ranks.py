@@ -22,7 +22,7 @@ import torch
 from cute_table_interp import RANK_STRIDE, Deadlock, RankInterp
 from fusec.backends.cute.lower import bind_weights, lower_ranks, lower_schedule
 from fusec.backends.cute.plan import NO_EVENT, CommOp, Opcode, RankWord, ScopeCode
-from fusec.backends.cute.table_verify import TableVerifyError, verify_table
+from fusec.backends.cute.table_verify import verify_table
 from fusec.backends.reference.executor import init_state
 from fusec.backends.reference.ranks import materialize_weights, run_step_ranks
 from fusec.compiler import lower
