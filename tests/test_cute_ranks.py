@@ -12,7 +12,11 @@
 - the table verifier (rule T7) rejects planted bugs: a push signalling at gpu scope, a dropped
   system-scope wait, a push's peer offset 0, a signal to the own counter instead of the peer's.
 
-The tables are not run on GPUs here: that needs the kernel's COMM body and two H200s.
+- with nvidia-cutlass-dsl: rank 0's kernel compiles for sm_90a with its COMM body, system-scope
+  spins and peer signals and passes the PTX audit's system-scope rule P4 (a planted gpu-scope
+  peer signal fails it); P4 itself is checked on PTX text.
+
+Nothing here runs on a GPU: that needs the multi-rank host side and two H200s.
 """
 import dataclasses
 
@@ -225,3 +229,71 @@ def test_lowering_refuses_non_replicated_and_peer_waits():
             lower_schedule(s)
     finally:
         t.instrs[t.instrs.index(dataclasses.replace(w, peer=1))] = w
+
+
+# -- the kernel side (CuTe DSL, CPU compile for sm_90a; no GPU) -----------------------------------
+def _cutlass():
+    import os
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    return pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl==4.8.1 not installed")
+
+
+def test_rank_kernel_compiles_and_passes_the_system_scope_audit(tmp_path):
+    """Rank 0's Llama tiny R = 2 kernel: COMM body, sys-scope spins (ld.acquire.sys) for the rows
+    whose WAIT_SCOPE is SYS, release.sys atomics on the peer's counter; the audit (P1-P4) passes.
+    The planted gpu-scope peer signal fails P4."""
+    _cutlass()
+    from fusec.backends.cute.codegen import render
+    from fusec.backends.cute.ptx_audit import audit_plan
+    _, _, lows = _lowered(llama, 2, 1)
+    plan = lows[0].plan(base=0)
+    src = render(plan)
+    assert "ROW_WORDS = 29" in src and "peers_addr" in src and "body_comm" in src
+    rep = audit_plan(plan, tmp_path / "ok")
+    assert rep.ok, rep.violations
+    assert rep.sys_acquire_loads >= 1 and rep.sys_release_signals >= 1, rep.summary()
+    ptx = "\n".join(p.read_text() for p in (tmp_path / "ok").rglob("*.ptx"))
+    assert "ld.acquire.sys" in ptx and "atom.global.sys.release.add" in ptx and "multimem" not in ptx
+    bad = audit_plan(dataclasses.replace(plan, peer_signal_gpu=True), tmp_path / "bad")
+    assert any(v.startswith("P4") and "system-scope release signal" in v for v in bad.violations), bad.violations
+
+
+def test_audit_system_scope_rules_on_ptx_text():
+    from fusec.backends.cute.ptx_audit import audit_ptx
+    head = ".visible .entry k(\n{\n"
+    ok = head + "ld.acquire.sys.global.b32 %r1, [%rd1];\nld.global.b32 %r2, [%rd2];\n" \
+                "st.global.b32 [%rd3], %r2;\natom.global.sys.release.add.u32 %r3, [%rd4], 1;\n}\n"
+    assert audit_ptx(ok, expect_sys=True).ok
+    gpu_fenced = head + "ld.relaxed.sys.global.b32 %r1, [%rd1];\nfence.acq_rel.gpu;\nld.global.b32 %r2, [%rd2];\n" \
+                        "atom.global.sys.release.add.u32 %r3, [%rd4], 1;\n}\n"
+    rep = audit_ptx(gpu_fenced, expect_sys=True)
+    assert any(v.startswith("P4") and "relaxed system-scope load" in v for v in rep.violations), rep.violations
+    sys_fenced = gpu_fenced.replace("fence.acq_rel.gpu", "fence.acq_rel.sys")
+    assert audit_ptx(sys_fenced, expect_sys=True).ok
+    relaxed_sig = head + "ld.acquire.sys.global.b32 %r1, [%rd1];\nst.global.b32 [%rd3], %r2;\nfence.acq_rel.gpu;\n" \
+                         "atom.global.sys.relaxed.add.u32 %r3, [%rd4], 1;\n}\n"
+    rep = audit_ptx(relaxed_sig, expect_sys=True)
+    assert any("fenced at gpu scope only" in v for v in rep.violations), rep.violations
+    mm = ok.replace("ld.global.b32 %r2, [%rd2];", "multimem.ld_reduce.global.add.f32 %r2, [%rd2];")
+    assert any("multimem" in v for v in audit_ptx(mm, expect_sys=True).violations)
+    # a single-rank kernel is not asked for system-scope operations
+    assert audit_ptx(ok.replace(".sys", ""), expect_sys=False).ok
+
+
+def test_planted_wrong_relocation_and_rank_slice_change_the_numbers():
+    """The bit-for-bit match is not vacuous: a push relocated with the own base (its data lands
+    in the own arena, the peer reduces a stale slot) or rank 1 reading rank 0's half of a
+    rank_slice (K3) moves the logits."""
+    def own_base(r, rows):
+        return [dataclasses.replace(x, a2=x.a2 - ((r + x.p0) % 2 - r) * RANK_STRIDE) if _is_push(x) else x
+                for x in rows]
+    res = _run(llama, 2, 1, 1, seed=0, mutate=own_base)
+    assert all(err > 0 for _, err, _ in res), res
+    _, _, lows = _lowered(kimi_k3, 2, 1)
+    moved = {b.a1 for a, b in zip(lows[0].rows, lows[1].rows) if a.opcode == Opcode.GEMV_BF16 and a != b}
+
+    def half0(r, rows):
+        return [dataclasses.replace(x, a1=x.a1 - 256) if r == 1 and x.opcode == Opcode.GEMV_BF16
+                and x.a1 - RANK_STRIDE in moved else x for x in rows]
+    res = _run(kimi_k3, 2, 1, 1, seed=0, mutate=half0)
+    assert res[1][1] > 0 and res[0][1] > 0, res

@@ -6,8 +6,10 @@ The code generator only renders the plan (templates loop over it); the runtime o
 
 Compile-time part (changes the generated kernel): `opcodes` used, `threads`, `batch`,
 `unroll`, `rows_per_warp`, `num_ctas`, `spin_timeout_ns`, `relaxed_spin` (planted bug for the PTX audit),
-`delay_ns` (delay injection: every task sleeps before its body, so producers write late) and
-`profile` (per-row timestamps after the error words, see `PROF_OFFSET_WORDS`).
+`delay_ns` (delay injection: every task sleeps before its body, so producers write late),
+`profile` (per-row timestamps after the error words, see `PROF_OFFSET_WORDS`), `ranks` (R > 1:
+29-word rows, per-row system-scope waits and signals, a `peers_addr` launch argument: int64 [R],
+entry p the event counters of rank (r + p) % R) and `peer_signal_gpu` (planted bug for the audit).
 Run-time part (lives in device memory, never recompiles): the task table and the queues.
 
 Task table: int64 tensor [num_tasks, ROW_WORDS], rows grouped by CTA so that CTA c walks rows
@@ -436,6 +438,7 @@ class KernelPlan:
     name: str = "megakernel"
     ranks: int = 1      # R > 1: this is one rank's table of a multi-rank step (module docstring)
     rank: int = 0       # which rank's (the bounded-wait error names it)
+    peer_signal_gpu: bool = False   # planted bug: peer signals released at gpu scope (audit must fail)
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= 16:
