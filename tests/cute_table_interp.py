@@ -8,6 +8,12 @@ legal interleavings are tried; a step where no CTA can move is a deadlock (repor
 stuck rows). Each opcode is re-stated here in torch from the `Opcode`/`EwOp` docstrings of
 plan.py, independently of the template, to check the *lowering* (addresses, strides, columns,
 events) against the registry reference; the CuTe bodies themselves are checked on a GPU.
+
+`RankInterp` runs the R tables of a multi-rank step in one process: R arenas, each at its own
+base of one address space (rank r's at r * RANK_STRIDE), so a COMM PUSH row's relocated peer
+address lands in the peer's arena and a SIGNAL_PEER increments the peer's counter. Ranks are not
+in lockstep: a rank that finishes its step starts the next one (the host hook writes its inputs)
+while others still run, as separate launches on separate GPUs would.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from fusec.backends.cute.plan import NO_EVENT, EwOp, ExpertMode, F32Flag, MlaMode, Opcode
+from fusec.backends.cute.plan import NO_EVENT, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.registry import get_op
 
@@ -37,21 +43,33 @@ def _f32_hi(aux: int) -> float:
     return struct.unpack("<f", struct.pack("<I", (aux >> 32) & 0xFFFFFFFF))[0]
 
 
+RANK_STRIDE = 1 << 40      # RankInterp: rank r's arena starts at address r * RANK_STRIDE
+
+
+def _typed(arena):
+    assert arena.dtype == torch.uint8 and arena.numel() % 8 == 0
+    return {torch.bfloat16: arena.view(torch.bfloat16), torch.float32: arena.view(torch.float32),
+            torch.int32: arena.view(torch.int32), torch.int64: arena.view(torch.int64), torch.uint8: arena}
+
+
 class Interp:
-    def __init__(self, plan, arena: torch.Tensor):
-        assert arena.dtype == torch.uint8 and arena.numel() % 8 == 0
+    def __init__(self, plan, arena: torch.Tensor, arenas=None):
+        """`arenas`: every rank's arena (multi-rank: addresses r * RANK_STRIDE + offset)."""
         self.plan, self.arena = plan, arena
         self.events = [0] * max(1, plan.num_events)
         self.step = 0
-        self.typed = {torch.bfloat16: arena.view(torch.bfloat16), torch.float32: arena.view(torch.float32),
-                      torch.int32: arena.view(torch.int32), torch.int64: arena.view(torch.int64),
-                      torch.uint8: arena}
+        self.typed = _typed(arena)
+        self.spaces = [_typed(a) for a in arenas] if arenas is not None else None
 
     # -- memory -------------------------------------------------------------------------------
     def t(self, addr: int, dtype, shape, strides):
         size = torch.tensor([], dtype=dtype).element_size()
         assert addr % size == 0, f"misaligned address {addr} for {dtype}"
-        return torch.as_strided(self.typed[dtype], shape, strides, addr // size)
+        if self.spaces is None:
+            return torch.as_strided(self.typed[dtype], shape, strides, addr // size)
+        k, off = divmod(addr, RANK_STRIDE)
+        assert 0 <= k < len(self.spaces), f"address {addr} in no rank's arena"
+        return torch.as_strided(self.spaces[k][dtype], shape, strides, off // size)
 
     def mat(self, addr, rows, cols, ld, f32=False):
         return self.t(addr, torch.float32 if f32 else torch.bfloat16, (rows, cols), (ld, 1))
@@ -152,8 +170,37 @@ class Interp:
             self.expert(r, B, op == Opcode.EXPERT_MXFP4)
         elif op == Opcode.MLA:
             self.mla(r, B)
+        elif op == Opcode.COMM:
+            self.comm(r, B)
         else:
             raise NotImplementedError(f"interp: opcode {op.name}")
+
+    def comm(self, r, B) -> None:
+        """COMM rows (plan.py): PUSH copies x into the (peer's) slot A2; ALL_REDUCE sums the
+        group's members in group-index order in fp32 (member AUX is x, member j the slot
+        (AUX - j) mod G), ALL_GATHER places member j at columns j * N1."""
+        f32x, f32o, G, i = bool(r.p1 & F32Flag.A0), bool(r.p1 & F32Flag.OUT), r.p2, r.aux
+        cols = slice(r.n0, r.n1)
+        x = self.mat(r.a0, B, r.n1, r.ldx, f32x)
+        if r.sub == CommOp.PUSH:
+            self.mat(r.a2, B, r.n1, r.ldy, f32x)[:, cols] = x[:, cols]
+            return
+        es = 4 if f32x else 2
+
+        def member(j):
+            if j == i:
+                return x[:, cols]
+            return self.mat(r.a1 + ((i - j) % G) * B * r.n1 * es, B, r.n1, r.n1, f32x)[:, cols]
+        if r.sub == CommOp.ALL_REDUCE:
+            y = torch.stack([member(j).float() for j in range(G)]).sum(0)
+            o = self.mat(r.a2, B, r.n1, r.ldy, f32o)
+            o[:, cols] = y.to(o.dtype)
+        elif r.sub == CommOp.ALL_GATHER:
+            o = self.mat(r.a2, B, G * r.n1, r.ldy, f32o)
+            for j in range(G):
+                o[:, j * r.n1 + r.n0:j * r.n1 + r.n1] = member(j).to(o.dtype)
+        else:
+            raise NotImplementedError(f"interp: COMM sub-opcode {r.sub}")
 
     def weight_rows(self, a, s, mx, e, rows_per_expert, n0, n1, k):
         """fp32 rows n0..n1 of expert e (bf16 [E*R, K] or MXFP4 packed [E*R, K/2] + scales)."""
@@ -178,9 +225,11 @@ class Interp:
         x = self.mat(r.a1, B, r.ldx, r.ldx).float()
         out = self.mat(r.a2, B, r.ldy, r.ldy, not glu)
         pairs = [(b, s) for b in range(r.p2 >> 16, r.p2 & 0xFFFF) for s in range(r.p0 >> 16, r.p0 & 0xFFFF)]
+        lo, n_local = r.a7 >> 32, r.a7 & 0xFFFFFFFF      # expert parallel (A7 = 0: every expert)
         groups: dict[int, list] = {}
         for b, s in pairs:
-            groups.setdefault(int(ids[b, s]), []).append((b, s))
+            e = int(ids[b, s]) - lo
+            groups.setdefault(e if not r.a7 or 0 <= e < n_local else -1, []).append((b, s))
         for e, members in groups.items():
             cols = [(s * rows_e + n0, s * rows_e + n1) for _, s in members]
             if e < 0:
@@ -321,3 +370,56 @@ def interp_on_arena(low, weights, mutate=None):
     if mutate:
         plan = plan.with_tasks(mutate(list(plan.tasks)))
     return bound, Interp(plan, bound.arena)
+
+
+class RankInterp:
+    """The R tables of a multi-rank step (module docstring). `plans[r]`: rank r's KernelPlan with
+    addresses r * RANK_STRIDE + offset (Lowered.plan(base, peer_bases)); `arenas[r]` its arena."""
+
+    def __init__(self, plans, arenas):
+        self.R = len(plans)
+        self.ranks = [Interp(p, a, arenas) for p, a in zip(plans, arenas)]
+
+    def run(self, steps: int, before, after, seed: int = 0, ahead: int | None = None) -> None:
+        """Run `steps` steps of every rank. `before(rank, k)` (k 1-based) writes rank's inputs of
+        step k, `after(rank, k)` reads its outputs. The next row is drawn at random among the
+        ready (rank, CTA) pairs; with `ahead` = a rank, that rank moves whenever it can (it runs
+        steps ahead of the others as far as the events let it)."""
+        rng = random.Random(seed)
+        pos = [None] * self.R
+        for k, it in enumerate(self.ranks):
+            it.step = 1
+            before(k, 1)
+            pos[k] = [0] * len(it.plan.queues)
+        while True:
+            ready, left = [], []
+            for k, it in enumerate(self.ranks):
+                if it.step > steps:
+                    continue
+                for c, q in enumerate(it.plan.queues):
+                    if pos[k][c] < len(q):
+                        r = it.plan.tasks[q[pos[k][c]]]
+                        left.append((k, c, r))
+                        if r.wait_event == NO_EVENT or it.events[r.wait_event] >= r.threshold(it.step):
+                            ready.append((k, c))
+            if not left:
+                return
+            if not ready:
+                raise Deadlock("no CTA of any rank can move: " + "; ".join(
+                    f"rank {k} step {self.ranks[k].step} CTA {c} task {r.task_id} waits e{r.wait_event} >= "
+                    f"{r.threshold(self.ranks[k].step)} (has {self.ranks[k].events[r.wait_event]})"
+                    for k, c, r in left[:4]))
+            mine = [x for x in ready if x[0] == ahead]
+            k, c = mine[0] if mine else rng.choice(ready)
+            it = self.ranks[k]
+            r = it.plan.tasks[it.plan.queues[c][pos[k][c]]]
+            it.exec_row(r)
+            if r.signal_event != NO_EVENT:
+                self.ranks[(k + r.signal_peer) % self.R].events[r.signal_event] += 1
+            pos[k][c] += 1
+            if all(p == len(q) for p, q in zip(pos[k], it.plan.queues)):
+                after(k, it.step)
+                it.step += 1
+                if it.step <= steps:
+                    before(k, it.step)
+                    pos[k] = [0] * len(it.plan.queues)

@@ -9,7 +9,7 @@
 - Kimi K3 tiny lowers too (attn_res stacks, router, KDA, MXFP4 experts, MLA, split-sequence MLA)
   and matches the reference over the lowered graph bit for bit, 8 steps at batch 1 and 4 (at 4
   with the KDA families cut over (head, batch row) tasks and EW rows over a task's rows);
-  multi-rank schedules and ops without a body fail with one line;
+  non-replicated multi-rank schedules and ops without a body fail with one line;
 - with nvidia-cutlass-dsl: the Llama tiny and K3 tiny megakernels compile for sm_90a and pass
   the PTX audit, `fusec compile --emit cute [--aot]` writes its files, and the generated K3 tiny
   and Llama tiny kernel sources are golden snapshots.
@@ -278,12 +278,17 @@ def test_k3_split_sequence_mla_lowers_and_matches():
     assert max(errs) == 0.0 and same, errs
 
 
-def test_multi_rank_and_missing_bodies_fail_in_one_line():
+def test_multi_rank_and_missing_bodies_fail_in_one_line(monkeypatch):
+    """A multi-rank schedule lowers per rank (tests/test_cute_ranks.py) only in its replicated
+    form; an op without a body stops the lowering with one line naming it."""
+    from fusec.backends.cute import lowerings
     prog = lower(kimi_k3.build_graph("tiny"), Options(ranks=2, batch=1, max_len=L))
-    with pytest.raises(LoweringError, match="2 ranks need system-scope events"):
+    assert unsupported_ops(prog.schedule) == []
+    with pytest.raises(LoweringError, match="2-rank schedule must be replicated"):
+        lower_schedule(prog.schedule.materialize())
+    monkeypatch.delitem(lowerings.LOWERINGS, "rank_slice")
+    with pytest.raises(LoweringError, match="no megakernel task body for op 'rank_slice'"):
         lower_schedule(prog.schedule)
-    missing = unsupported_ops(prog.schedule)
-    assert missing and all(op not in ("linear", "router", "attn_res") for op in missing)
 
 
 # -- with the CuTe DSL (CPU compile for sm_90a) ------------------------------------------------

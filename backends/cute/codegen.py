@@ -22,7 +22,8 @@ from fusec.passes.target import GPUS
 
 from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ATTN_RES_VECS, ERR_WORDS, MLA_MAX_CHUNKS,
                    MLA_MAX_LORA, MLA_MAX_ROPE, MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS,
-                   PF_LOOKAHEAD, ROUTER_MAX_TOPK, ROW_WORDS, ErrWord, EwOp, ExpertMode, F32Flag, KernelPlan, Word)
+                   PF_LOOKAHEAD, ROUTER_MAX_TOPK, ROW_WORDS, ROW_WORDS_RANKS, CommOp, ErrWord, EwOp, ExpertMode,
+                   F32Flag, KernelPlan, RankWord, ScopeCode, Word)
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
 DEFAULT_ARCH = GPUS["h200"].arch   # sm_90a: the kernels use Hopper-only features
@@ -42,7 +43,10 @@ def render(plan: KernelPlan) -> str:
         opcodes=plan.opcodes,
         words=list(Word),
         err_fields=list(ErrWord),
-        row_words=ROW_WORDS,
+        row_words=ROW_WORDS_RANKS if plan.ranks > 1 else ROW_WORDS,
+        rank_words=list(RankWord),
+        scope_sys=int(ScopeCode.SYS),
+        comm_ops=list(CommOp),
         pf_lookahead=PF_LOOKAHEAD,
         err_words=ERR_WORDS,
         ew_ops=list(EwOp),
@@ -112,6 +116,7 @@ def compile_plan(plan: KernelPlan, out_dir: str | os.PathLike | None = None, *,
         options += " " + extra_options
     # The launcher takes raw addresses, so tracing needs no device memory at all.
     z = Int64(0)
-    compiled = cute.compile(mod.launch, z, z, z, z, z, Int32(max(1, len(plan.tasks))),
+    peers = (z,) if plan.ranks > 1 else ()     # multi-rank: the peer counter table (template)
+    compiled = cute.compile(mod.launch, z, z, z, z, z, Int32(max(1, len(plan.tasks))), *peers,
                             cuda.CUstream(0), options=options)
     return compiled, path, dump

@@ -17,6 +17,10 @@ Rules (the core's protocol, docs/cute_backend.md):
 - a GEMV row whose task LOADs its weight above its waits (the prefetch pass's decision) names the
   first bytes of its weight tile (PF words) so that a waiting CTA pulls them into L2;
   `check_prefetch` proves every such range is a static weight (prefetch.py).
+- a replicated multi-rank schedule (R > 1) lowers to one table per rank (`lower_ranks`), each
+  over the same memory plan (so the `comm` slot buffers are symmetric); WAIT / SIGNAL scopes and
+  signal peer offsets go to the `RankWord`s, collectives to COMM rows (a push row's output is in
+  the peer's arena: `peer_fields`), `rank_slice` to a rank-dependent view (plan.py).
 """
 from __future__ import annotations
 
@@ -24,16 +28,18 @@ import dataclasses
 from dataclasses import dataclass
 
 from fusec.ir.graph import Op
+from fusec.ir.ops.comm import group_index
 from fusec.ir.registry import REGISTRY, Trait
-from fusec.ir.schedule import InstrKind, Schedule, Task
+from fusec.ir.schedule import InstrKind, Schedule, Scope, Task
 from fusec.ir.types import DType, Kind, TensorType
 
 from .lower_mixers import MixerLowering
 from .lowerings import LOWERINGS, OpCtx, lowers, supported
-from .memory import MemoryPlan, View, build_memory_plan
+from .memory import MemoryPlan, View, build_memory_plan, itemsize
 from .prefetch import add_weight_prefetch, check_prefetch
 from .table_verify import check_plan
-from .plan import (H200_SMS, NO_EVENT, EwOp, F32Flag, KernelPlan, Opcode, TaskRow, f32_bits, f32_pair)
+from .plan import (H200_SMS, NO_EVENT, CommOp, EwOp, F32Flag, KernelPlan, Opcode, ScopeCode, TaskRow, f32_bits,
+                   f32_pair)
 
 # IR op -> EW sub-opcode for the two-operand / one-operand elementwise epilogues.
 EW_BINARY = {"add": EwOp.ADD, "sigmoid_mul": EwOp.SIGMOID_MUL, "situ_glu": EwOp.SITU_GLU,
@@ -59,10 +65,23 @@ class Lowered:
     # region name -> (an AttrTable's name, attrs) (OpDef.attr_table: rope_inv_freq) |
     # ("rel_ptrs", distances) | ("mla_uk_t", kv_b, attrs): see fill_consts
     consts: dict
+    rank: int = 0                    # whose table (multi-rank: one Lowered per rank, lower_ranks)
+    ranks: int = 1
+    # per row: ((field, peer rank offset), ...): arena offsets in the peer's arena (COMM PUSH A2)
+    peer_fields: tuple = ()
 
-    def plan(self, base: int = 0, **kw) -> KernelPlan:
-        rows = [dataclasses.replace(r, **{f: base + getattr(r, f) for f in fs})
-                for r, fs in zip(self.rows, self.addr_fields)]
+    def plan(self, base: int = 0, peer_bases=None, **kw) -> KernelPlan:
+        """The table with addresses: arena offsets + `base` (this rank's arena), offsets in a
+        peer's arena (`peer_fields`) + `peer_bases[p]` (rank (rank + p) % ranks's arena as this
+        process maps it; default `base`, e.g. base 0 for a table of offsets)."""
+        pb = _peer_bases(base, peer_bases, self.ranks)
+        pf = self.peer_fields or ((),) * len(self.rows)
+        rows = [dataclasses.replace(r, **{f: base + getattr(r, f) for f in fs},
+                                    **{f: pb[p] + getattr(r, f) for f, p in ps})
+                for r, fs, ps in zip(self.rows, self.addr_fields, pf)]
+        if self.ranks > 1:
+            kw.setdefault("ranks", self.ranks)
+            kw.setdefault("rank", self.rank)
         kw.setdefault("threads", 512)
         # Batch 1 streams on CUDA cores: 8 chunks in flight per lane measured 3.8% faster on the
         # H200 (slice4-e128, 3439 -> 3309 us); the tensor-core bodies at batch > 1 keep 4.
@@ -70,13 +89,16 @@ class Lowered:
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)
-        check_plan(self, plan, base)    # verify what runs: the packed table against the schedule
+        check_plan(self, plan, base, pb)    # verify what runs: the packed table against the schedule
         return plan
 
     def table_text(self) -> str:
         """The task table with arena offsets (deterministic: no device addresses)."""
         out = [f"# {len(self.rows)} rows, {len(self.queues)} queues, {self.num_events} events, "
                f"batch {self.batch}; addresses are arena byte offsets"]
+        if self.ranks > 1:
+            out.append(f"# rank {self.rank} of {self.ranks}; COMM PUSH a2 is an offset in the arena of rank "
+                       "(rank + p0) % ranks")
         for c, q in enumerate(self.queues):
             for i in q:
                 r = self.rows[i]
@@ -88,15 +110,40 @@ class Lowered:
         return "\n".join(out)
 
 
+def _peer_bases(base: int, peer_bases, ranks: int) -> dict[int, int]:
+    if peer_bases is None:
+        return {p: base for p in range(ranks)}
+    pb = {p: peer_bases[p] for p in range(ranks)}
+    if pb[0] != base:
+        raise LoweringError(f"cute lowering: peer base 0 (this rank's own arena) is {pb[0]}, not base {base}")
+    return pb
+
+
 def unsupported_ops(schedule: Schedule) -> list[str]:
     """IR op kinds of the schedule that have no task body (sorted)."""
     return sorted({op.opname for op in schedule.graph.ops if Trait.view not in op.opdef.traits} - supported())
 
 
-def lower_schedule(schedule: Schedule) -> Lowered:
-    if schedule.ranks != 1:
-        raise LoweringError(f"cute lowering: {schedule.ranks} ranks need system-scope events (V7), "
-                            "not supported yet; lower a single-rank schedule")
+def lower_ranks(schedule: Schedule) -> tuple[Lowered, ...]:
+    """One `Lowered` per rank of a (replicated) multi-rank schedule, over one memory plan: the
+    plans are built per rank and must be identical (same offsets: symmetric memory)."""
+    lows = tuple(lower_schedule(schedule, r) for r in range(schedule.ranks))
+    ref = lows[0].memory.describe()
+    for low in lows[1:]:
+        if low.memory.describe() != ref:
+            raise LoweringError(f"cute lowering: rank {low.rank}'s memory plan differs from rank 0's: the comm "
+                                "buffers would not be symmetric")
+    return lows
+
+
+def lower_schedule(schedule: Schedule, rank: int = 0) -> Lowered:
+    """Rank `rank`'s table (the only one when the schedule has one rank)."""
+    R = schedule.ranks
+    if R != 1 and not schedule.replicated:
+        raise LoweringError(f"cute lowering: a {R}-rank schedule must be replicated (rank 0's tasks, peers by "
+                            "offset) to lower per rank")
+    if not 0 <= rank < R:
+        raise LoweringError(f"cute lowering: rank {rank} of a {R}-rank schedule")
     missing = unsupported_ops(schedule)
     if missing:
         raise LoweringError(f"cute lowering: no megakernel task body for op '{missing[0]}' "
@@ -104,7 +151,7 @@ def lower_schedule(schedule: Schedule) -> Lowered:
     g, dims = schedule.graph, schedule.dims
     scratch, consts = _scratch_and_consts(schedule)
     mem = build_memory_plan(g, dims, scratch)
-    low = _TaskLowering(schedule, mem, consts)
+    low = _TaskLowering(schedule, mem, consts, rank)
     rows: list[TaskRow] = []
     fields: list[tuple[str, ...]] = []
     first_row: dict[int, list[int]] = {}
@@ -114,6 +161,9 @@ def lower_schedule(schedule: Schedule) -> Lowered:
             rows.append(r)
             fields.append(fs)
         first_row[t.id] = list(range(start, len(rows)))
+    peer = tuple(tuple((f, r.p0) for f in fs if f == "a2") if r.opcode == Opcode.COMM and r.sub == CommOp.PUSH
+                 else () for r, fs in zip(rows, fields))
+    fields = [tuple(f for f in fs if (f, r.p0) not in p) for r, fs, p in zip(rows, fields, peer)]
     queues = []
     for sm in range(max(schedule.sms, 1)):
         q = schedule.queues.get((0, sm), [])
@@ -124,7 +174,7 @@ def lower_schedule(schedule: Schedule) -> Lowered:
     check_prefetch(rows, mem)
     fields = [fs + ("pf_addr",) if r.pf_bytes else fs for r, fs in zip(rows, fields)]
     return Lowered(schedule, mem, tuple(rows), tuple(fields), tuple(queues),
-                   len(schedule.events), int(dims["B"]), consts)
+                   len(schedule.events), int(dims["B"]), consts, rank, R, peer if R > 1 else ())
 
 
 def _hoisted_weight_loads(schedule: Schedule) -> dict[int, set[str]]:
@@ -212,8 +262,10 @@ def bind_weights(low: Lowered, bound, weights: dict) -> None:
 
 
 class _TaskLowering(MixerLowering):
-    def __init__(self, schedule: Schedule, mem: MemoryPlan, consts: dict):
+    def __init__(self, schedule: Schedule, mem: MemoryPlan, consts: dict, rank: int = 0):
         self.s, self.mem, self.consts = schedule, mem, consts
+        self.rank, self.R = rank, schedule.ranks
+        self.rank_views: dict[str, View] = {}    # rank_slice results: this rank's window of the operand
         self.done: set[str] = set()   # values a fused row already produced (rms_norm after attn_res)
         self.ops = {op.outputs[0].name: op for op in schedule.graph.ops}
         self.events = {e.id: e for e in schedule.events}
@@ -222,7 +274,10 @@ class _TaskLowering(MixerLowering):
     # -- one task ---------------------------------------------------------------------------
     def task_rows(self, t: Task):
         waits = [i for i in t.instrs if i.kind is InstrKind.WAIT]
-        signals = [i.event for i in t.instrs if i.kind is InstrKind.SIGNAL]
+        signals = [i for i in t.instrs if i.kind is InstrKind.SIGNAL]
+        for i in waits:
+            if i.peer is not None:
+                raise self.error(f"task {t.id} waits on rank offset {i.peer}'s counter: waits are on the own rank's")
         body = self._body(t)
         if not body:  # a task of views only still carries its waits and signal
             body = [(TaskRow(Opcode.NOP, t.id), ())]
@@ -233,13 +288,26 @@ class _TaskLowering(MixerLowering):
         rows += body
         if signals:
             r, fs = rows[-1]
-            rows[-1] = (dataclasses.replace(r, signal_event=signals[0]), fs)
-            rows += [(TaskRow(Opcode.NOP, t.id, signal_event=e), ()) for e in signals[1:]]
+            rows[-1] = (dataclasses.replace(r, **self._signal(signals[0])), fs)
+            rows += [(TaskRow(Opcode.NOP, t.id, **self._signal(e)), ()) for e in signals[1:]]
         return rows
 
     def _wait(self, w) -> dict:
         n = self.events[w.event].per_step
-        return dict(wait_event=w.event, wait_per_step=n, wait_offset=w.threshold - n)
+        d = dict(wait_event=w.event, wait_per_step=n, wait_offset=w.threshold - n)
+        if w.scope is Scope.sys:
+            d["wait_scope"] = ScopeCode.SYS
+        return d
+
+    def _signal(self, s) -> dict:
+        d = dict(signal_event=s.event)
+        if s.scope is Scope.sys or s.peer is not None:
+            if s.scope is not Scope.sys:
+                raise self.error(f"signal of e{s.event} to rank offset {s.peer} is not at system scope")
+            d["signal_scope"] = ScopeCode.SYS
+            if s.peer:
+                d["signal_peer"] = s.peer % self.R
+        return d
 
     def _body(self, t: Task):
         names = set(t.ops)
@@ -275,10 +343,15 @@ class _TaskLowering(MixerLowering):
 
     # -- one op -------------------------------------------------------------------------------
     def _v(self, name: str, redirect: dict) -> View:
-        return self.mem.view(redirect.get(name, name))
+        name = redirect.get(name, name)
+        return self.rank_views.get(name) or self.mem.view(name)
 
     def _off(self, name: str, redirect: dict) -> int:
-        return self.mem.byte_offset(redirect.get(name, name))
+        name = redirect.get(name, name)
+        if name in self.rank_views:
+            v = self.rank_views[name]
+            return self.mem.regions[v.region].offset + v.elem_offset * itemsize(v.dtype)
+        return self.mem.byte_offset(name)
 
     def _op_rows(self, t: Task, op: Op, cols, anchor, redirect):
         """The op's task rows, from the backend's per-op table (lowerings.py)."""
@@ -391,6 +464,53 @@ class _TaskLowering(MixerLowering):
         return [(TaskRow(Opcode.EW, t.id, a0=off(table), a2=off(out), a3=off(ids), n0=cols[0],
                          n1=cols[1], ldx=tv.row_stride, ldy=o.row_stride, sub=EwOp.GATHER,
                          p1=self._flags(a=tv, o=o)), ("a0", "a2", "a3"))]
+
+    @lowers('rank_slice')
+    def _lower_rank_slice(self, c: OpCtx):
+        """No row: this rank's slice is a window of the operand at a rank-dependent offset, which
+        the consuming rows address (the per-rank table carries the rank)."""
+        at, src = c.op.attrs, c.view(c.ins[0])
+        dim = int(at.get("dim", -1)) % len(src.shape)
+        g = int(at["ranks"])
+        n = src.shape[dim] // g
+        i = group_index(self.rank, g, int(at.get("stride", 1)))
+        shape = tuple(n if k == dim else d for k, d in enumerate(src.shape))
+        self.rank_views[c.out] = View(src.region, src.elem_offset + i * n * src.strides[dim], shape, src.strides,
+                                      src.dtype)
+        return []
+
+    @lowers('all_reduce', 'all_gather')
+    def _lower_collective(self, c: OpCtx):
+        """COMM rows (plan.py): the push task of slot d writes x into slot d of the peer's slot
+        buffer; the local task reduces or gathers x and its own slots in group-index order."""
+        t, op, view, off = c.t, c.op, c.view, c.off
+        g, st = int(op.attrs["ranks"]), int(op.attrs.get("stride", 1))
+        x, y = view(c.ins[0]), view(c.out)
+        slots = f"{c.out}.slots"
+        sv = self.mem.view(slots)
+        if len(x.shape) != 2 or x.strides[-1] != 1 or sv.shape != (g, *x.shape):
+            raise self.error(f"{op.opname} %{c.out}: COMM rows move [B, n] rows with contiguous columns")
+        if op.opname == "all_gather" and int(op.attrs.get("dim", -1)) % 2 != 1:
+            raise self.error(f"all_gather %{c.out} along dim {op.attrs.get('dim')}: only the last dim is supported")
+        for v in (x, y):
+            if v.dtype not in (DType.bf16, DType.f32):
+                raise self.error(f"{op.opname} %{c.out}: COMM rows move bf16 or fp32, not {v.dtype.value}")
+        n = x.shape[-1]
+        fl = (int(F32Flag.A0) if x.dtype is DType.f32 else 0) | (int(F32Flag.OUT) if y.dtype is DType.f32 else 0)
+        es = itemsize(x.dtype)
+        if t.body_kind == "comm_push":
+            (store,) = [i for i in t.instrs if i.kind is InstrKind.STORE]
+            d, p = store.region.box[0][0], store.region.rank
+            if store.region.tensor != slots or not p or not 0 < d < g:
+                raise self.error(f"push task {t.id} of %{c.out} stores {store.region.tensor} slot {d} at rank "
+                                 f"offset {p}: a peer's slot 1..{g - 1} expected")
+            row = TaskRow(Opcode.COMM, t.id, a0=off(c.ins[0]), a2=off(slots) + d * sv.strides[0] * es,
+                          n0=0, n1=n, ldx=x.row_stride, ldy=n, sub=CommOp.PUSH, p0=p % self.R, p1=fl, p2=g)
+            return [(row, ("a0", "a2"))]
+        sub = CommOp.ALL_REDUCE if op.opname == "all_reduce" else CommOp.ALL_GATHER
+        row = TaskRow(Opcode.COMM, t.id, a0=off(c.ins[0]), a1=off(slots), a2=off(c.out), n0=0, n1=n,
+                      ldx=x.row_stride, ldy=y.row_stride, sub=sub, p1=fl, p2=g, aux=group_index(self.rank, g, st))
+        return [(row, ("a0", "a1", "a2"))]
 
     @lowers('argmax')
     def _lower_argmax(self, c: OpCtx):

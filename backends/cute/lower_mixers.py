@@ -289,7 +289,13 @@ class MixerLowering:
             raise self.error(f"{op.opname} %{out}: needs contiguous slot rows")
         fields = ["a0", "a1", "a2", "a4"] + (["a3"] if mx else []) + (["a5"] + (["a6"] if mx else []) if glu else [])
         w3 = op.inputs[3].name if glu else None
-        return [(TaskRow(Opcode.EXPERT_MXFP4 if mx else Opcode.EXPERT_BF16, t.id, a0=off(w), a1=off(x),
+        ep = 0
+        if int(op.attrs.get("ep_ranks", 1)) > 1:    # expert parallel: this rank's experts (A7, plan.py)
+            from fusec.ir.ops.comm import group_index
+            n_local = wr.shape[0] if len(wr.shape) == 3 else wr.shape[0] // rows_e   # [E, rows, K] weights
+            ep = (group_index(self.rank, int(op.attrs["ep_ranks"]), int(op.attrs.get("ep_stride", 1)))
+                  * n_local << 32) | n_local
+        return [(TaskRow(Opcode.EXPERT_MXFP4 if mx else Opcode.EXPERT_BF16, t.id, a0=off(w), a1=off(x), a7=ep,
                          a2=off(out), a3=self.mem.byte_offset(w + ".scale") if mx else 0, a4=off(ids),
                          a5=off(w3) if glu else 0,
                          a6=self.mem.byte_offset(w3 + ".scale") if glu and mx else 0,

@@ -6,8 +6,10 @@ The code generator only renders the plan (templates loop over it); the runtime o
 
 Compile-time part (changes the generated kernel): `opcodes` used, `threads`, `batch`,
 `unroll`, `rows_per_warp`, `num_ctas`, `spin_timeout_ns`, `relaxed_spin` (planted bug for the PTX audit),
-`delay_ns` (delay injection: every task sleeps before its body, so producers write late) and
-`profile` (per-row timestamps after the error words, see `PROF_OFFSET_WORDS`).
+`delay_ns` (delay injection: every task sleeps before its body, so producers write late),
+`profile` (per-row timestamps after the error words, see `PROF_OFFSET_WORDS`), `ranks` (R > 1:
+29-word rows, per-row system-scope waits and signals, a `peers_addr` launch argument: int64 [R],
+entry p the event counters of rank (r + p) % R) and `peer_signal_gpu` (planted bug for the audit).
 Run-time part (lives in device memory, never recompiles): the task table and the queues.
 
 Task table: int64 tensor [num_tasks, ROW_WORDS], rows grouped by CTA so that CTA c walks rows
@@ -48,6 +50,22 @@ queue[c, 0] .. queue[c, 1] - 1 (queue is int32 [num_ctas, 2]). Word layout of on
 Events are int32 counters that only grow: nothing is reset between steps, so one launch per
 step (or one CUDA-graph replay) is enough. A task that needs several waits is preceded in its
 queue by NOP rows that each wait on one event (queues run in order, so the waits add up).
+
+Multi-rank tables (`KernelPlan.ranks` = R > 1; docs/cute_backend.md, "Multi-rank tables"): every
+rank runs its own table over its own arena; the arenas share one memory plan, so every region
+(the `comm` slot buffers included) is at the same offset on every rank (symmetric memory). Rows
+are ROW_WORDS_RANKS words: the 26 above plus (`RankWord`)
+
+  26    WAIT_SCOPE     `ScopeCode` of the wait's acquire (SYS: the counter is released by a peer)
+  27    SIGNAL_SCOPE   `ScopeCode` of the signal's release (SYS when a peer waits on it)
+  28    SIGNAL_PEER    rank offset p of the counter SIGNAL_EVENT names: rank (r + p) % R's counter
+                       (0 = this rank's own; p != 0 needs SIGNAL_SCOPE = SYS)
+
+Peers are addressed by offset, as in the schedule (ir/schedule.py), so rank r's table is rank 0's
+with its rank-dependent words changed (COMM AUX, rank_slice addresses). A COMM PUSH row's A2 is
+in the peer's arena: `Lowered.plan(base, peer_bases)` relocates it with the base of rank
+(r + P0) % R as this process maps it (`peer_fields`), every other address with the own base.
+Single-rank tables keep the 26-word rows and never use COMM, scopes or peers.
 """
 from __future__ import annotations
 
@@ -59,6 +77,7 @@ from typing import Sequence
 from fusec.passes.target import GPUS
 
 ROW_WORDS = 26
+ROW_WORDS_RANKS = 29     # multi-rank tables: + RankWord
 # Rows ahead (the waiting row included) whose weight ranges a waiting CTA prefetches.
 PF_LOOKAHEAD = 2
 H200_SMS = GPUS["h200"].sms   # CTAs of the persistent grid: one per SM of the target
@@ -136,7 +155,9 @@ class Opcode(enum.IntEnum):
                x = A1 [B, LDX], h = A2 [B, LDY] bf16 (slot s at column s * AUX).
                DOWN mode: y[b, s, n] = h[b, s].W[e, n] in fp32 (moe_down), h = A1 [B, LDX] bf16
                (slot s at column s * K), y = A2 [B, LDY] fp32 (slot s at column s * AUX).
-               Ids < 0 (other EP rank) store 0. The bf16 body reads each distinct expert's rows
+               Ids < 0 (other EP rank) store 0. Expert parallel (multi-rank tables only): A7 =
+               lo << 32 | n, this rank holds experts lo .. lo + n - 1 and the pair's expert is
+               ids[b, s] - lo, ids outside store 0 (A7 = 0: every id is this rank's). The bf16 body reads each distinct expert's rows
                once for all the pairs that chose it (grouped after routing, on tensor cores).
     EXPERT_MXFP4 same with MXFP4 weights; A3 / A6 = e8m0 scales of A0 / A5.
     EW         elementwise / per-head epilogues, sub-opcode `EwOp` in SUB, columns N0..N1 of
@@ -176,6 +197,16 @@ class Opcode(enum.IntEnum):
                K = head dim (a multiple of 32, <= ATTN_MAX_HEAD_DIM).
     ARGMAX     greedy token (IR op argmax): one warp per row b in N0..N1 of x A0 fp32 [B, LDX]
                (bf16 when P1 has no F32Flag.A0), K columns, lowest index wins ties -> A2 int32 [B].
+    COMM       one side of a collective over a group of G = P2 ranks (multi-rank tables only;
+               passes/_collectives.py), `CommOp` in SUB, columns N0..N1 of every batch row,
+               P1 = `F32Flag` (A0: operand and slots fp32, OUT: output fp32; else bf16):
+               PUSH: the peer's slot row block A2 [B, LDY] (in rank (r + P0) % R's arena,
+               P0 = rank offset, 1..R-1) = x A0 [B, LDX];
+               ALL_REDUCE: y A2 [B, LDY] = sum over the group in group-index order (fp32) of x
+               A0 [B, LDX] (this rank, index AUX) and slot d = (AUX - j) mod G (member j) of
+               this rank's slots A1 [G, B, N1] (contiguous, written by the peers' PUSH rows);
+               ALL_GATHER: y A2 [B, LDY] with member j's N1 columns at column j * N1
+               (x for j = AUX, slot (AUX - j) mod G otherwise).
 
     GEMV_BF16 rows with F32Flag.OUT in P1 store fp32 (linear {out_dtype = "f32"}, the lm head).
     """
@@ -193,6 +224,30 @@ class Opcode(enum.IntEnum):
     MLA = 10
     ATTENTION = 11
     ARGMAX = 12
+    COMM = 13
+
+
+class CommOp(enum.IntEnum):
+    """SUB word of COMM rows."""
+
+    PUSH = 0
+    ALL_REDUCE = 1
+    ALL_GATHER = 2
+
+
+class RankWord(enum.IntEnum):
+    """Words after PF_BYTES in multi-rank tables (module docstring)."""
+
+    WAIT_SCOPE = 26
+    SIGNAL_SCOPE = 27
+    SIGNAL_PEER = 28
+
+
+class ScopeCode(enum.IntEnum):
+    """WAIT_SCOPE / SIGNAL_SCOPE words: the memory-model scope of an acquire or release."""
+
+    GPU = 0    # this GPU's CTAs (every single-rank event)
+    SYS = 1    # across GPUs: a counter a peer releases or acquires (V7)
 
 
 class ExpertMode(enum.IntEnum):
@@ -302,10 +357,17 @@ class TaskRow:
     signal_event: int = NO_EVENT
     pf_addr: int = 0
     pf_bytes: int = 0
+    wait_scope: int = ScopeCode.GPU      # multi-rank tables only (RankWord)
+    signal_scope: int = ScopeCode.GPU
+    signal_peer: int = 0
 
-    def words(self) -> list[int]:
-        """The ROW_WORDS int64 words of this row, in `Word` order."""
-        w = [0] * ROW_WORDS
+    def words(self, ranked: bool = False) -> list[int]:
+        """The ROW_WORDS int64 words of this row, in `Word` order (ROW_WORDS_RANKS with
+        the `RankWord`s when `ranked`)."""
+        w = [0] * (ROW_WORDS_RANKS if ranked else ROW_WORDS)
+        if ranked:
+            w[RankWord.WAIT_SCOPE], w[RankWord.SIGNAL_SCOPE] = int(self.wait_scope), int(self.signal_scope)
+            w[RankWord.SIGNAL_PEER] = self.signal_peer
         w[Word.OPCODE] = int(self.opcode)
         w[Word.TASK_ID] = self.task_id
         w[Word.WAIT_EVENT] = self.wait_event
@@ -374,6 +436,9 @@ class KernelPlan:
     mla_head_tiles: int = 4
     mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
+    ranks: int = 1      # R > 1: this is one rank's table of a multi-rank step (module docstring)
+    rank: int = 0       # which rank's (the bounded-wait error names it)
+    peer_signal_gpu: bool = False   # planted bug: peer signals released at gpu scope (audit must fail)
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= 16:
@@ -392,6 +457,8 @@ class KernelPlan:
             raise ValueError(f"mxfp4_decode {self.mxfp4_decode!r} must be 'f16' or 'lut'")
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads {self.threads} must be a multiple of 32 in 32..1024")
+        if not 0 <= self.rank < self.ranks:
+            raise ValueError(f"rank {self.rank} not in 0..{self.ranks - 1}")
         seen = sorted(i for q in self.queues for i in q)
         if seen != list(range(len(self.tasks))):
             raise ValueError("queues must hold every task exactly once")
@@ -399,6 +466,12 @@ class KernelPlan:
             for ev in (t.wait_event, t.signal_event):
                 if ev != NO_EVENT and not 0 <= ev < self.num_events:
                     raise ValueError(f"task {t.task_id}: event {ev} out of range")
+            if self.ranks == 1 and (t.opcode == Opcode.COMM or t.signal_peer or t.wait_scope or t.signal_scope
+                                    or (t.opcode in (Opcode.EXPERT_BF16, Opcode.EXPERT_MXFP4) and t.a7)):
+                raise ValueError(f"task {t.task_id}: COMM rows, peers and system scope need a multi-rank plan")
+            if t.signal_peer and not (0 < t.signal_peer < self.ranks and t.signal_scope == ScopeCode.SYS):
+                raise ValueError(f"task {t.task_id}: signal peer offset {t.signal_peer} needs 0 < p < {self.ranks} "
+                                 "and system scope")
             if t.pf_bytes < 0 or t.pf_bytes % 16 or t.pf_addr % 16:
                 raise ValueError(f"task {t.task_id}: prefetch range ({t.pf_addr}, {t.pf_bytes} bytes) must be "
                                  "16-byte aligned with a length that is a multiple of 16")
@@ -444,7 +517,7 @@ class KernelPlan:
                 raise ValueError(f"task {t.task_id}: attention head dim {t.k} must be a multiple of 32 "
                                  f"up to {ATTN_MAX_HEAD_DIM}")
             if t.opcode in (Opcode.EW, Opcode.ROUTER, Opcode.KDA, Opcode.ATTN_RES, Opcode.MLA,
-                            Opcode.ATTENTION, Opcode.ARGMAX):
+                            Opcode.ATTENTION, Opcode.ARGMAX, Opcode.COMM):
                 continue  # scalar loads: no vector alignment rules
             vec = VEC_MXFP4 if t.opcode in (Opcode.GEMV_MXFP4, Opcode.EXPERT_MXFP4) else VEC_BF16
             # GEMV_BF16 stores scalars, so its output rows need no 16-byte stride.
@@ -500,7 +573,7 @@ class KernelPlan:
         bounds: list[list[int]] = []
         for q in self.queues:
             start = len(rows)
-            rows.extend(self.tasks[i].words() for i in q)
+            rows.extend(self.tasks[i].words(self.ranks > 1) for i in q)
             bounds.append([start, len(rows)])
         return rows, bounds
 

@@ -11,6 +11,12 @@ program-text order, function by function:
      used as a signal needs the same fence, `st.release` passes;
   P3 the kernel contains at least one synchronizing load and, when the plan signals events,
      at least one release signal (an audit of a kernel without waits proves nothing).
+  P4 system scope (multi-rank kernels, V7): a strong load at `.sys` scope is an acquire or is
+     followed by a `fence.acq_rel.sys` / `fence.sc.sys` (a gpu-scope fence does not order a
+     peer's stores) before the next data load; an atomic at `.sys` scope is a release, or a
+     `.sys` fence stands between the last global store and it; no `multimem` instruction
+     (NVLink multicast stays off); and a multi-rank kernel (`expect_sys`) has at least one
+     system-scope acquire load and one system-scope release signal (the peer signal).
 
 Text order approximates control flow: the spin loop's load sits above the code after the loop,
 so a fence placed after the loop is seen before the data loads. Known limit: the audit cannot
@@ -28,6 +34,7 @@ import sys
 
 _INSTR = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)")
 _FENCE = re.compile(r"^fence\.(acq_rel|sc)\b")
+_SYS_FENCE = re.compile(r"^fence\.(acq_rel|sc)\.sys\b")
 
 
 @dataclasses.dataclass
@@ -39,6 +46,8 @@ class AuditReport:
     fenced_relaxed_loads: int = 0
     release_signals: int = 0
     fenced_signals: int = 0
+    sys_acquire_loads: int = 0      # P4: system-scope spin loads that acquire (or are sys-fenced)
+    sys_release_signals: int = 0    # P4: system-scope atomics that release (or are sys-fenced)
 
     @property
     def ok(self) -> bool:
@@ -46,9 +55,11 @@ class AuditReport:
 
     def summary(self) -> str:
         head = "PASS" if self.ok else f"FAIL ({len(self.violations)} violations)"
+        sys = (f", system scope: acquire loads {self.sys_acquire_loads}, release signals "
+               f"{self.sys_release_signals}") if self.sys_acquire_loads or self.sys_release_signals else ""
         return (f"{head}: acquire loads {self.acquire_loads}, fenced relaxed loads "
                 f"{self.fenced_relaxed_loads}, release signals {self.release_signals}, "
-                f"fenced signals {self.fenced_signals}")
+                f"fenced signals {self.fenced_signals}" + sys)
 
 
 def _opcodes(ptx: str):
@@ -81,35 +92,59 @@ def _strength(op: str) -> str:
     return "weak"
 
 
-def audit_ptx(ptx: str, *, expect_signals: bool = True) -> AuditReport:
-    """Check P1-P3 on PTX text; see the module docstring."""
+def _is_sys(op: str) -> bool:
+    return "sys" in op.split(".")
+
+
+def audit_ptx(ptx: str, *, expect_signals: bool = True, expect_sys: bool = False) -> AuditReport:
+    """Check P1-P4 on PTX text; see the module docstring."""
     rep = AuditReport(violations=[])
     for func in _opcodes(ptx):
         pending_loads: list[int] = []  # strong relaxed loads not yet followed by a fence
+        pending_sys: list[int] = []    # ... of them at system scope, not yet followed by a sys fence
         fence_since_store = False
+        sys_fence_since_store = False
         for n, op in func:
+            if op.startswith("multimem"):
+                rep.violations.append(f"P4 line {n}: '{op}': NVLink multicast (multimem) must stay off")
             if _FENCE.match(op):
                 if pending_loads:
                     rep.fenced_relaxed_loads += len(pending_loads)
                 pending_loads = []
                 fence_since_store = True
+                if _SYS_FENCE.match(op):
+                    rep.sys_acquire_loads += len(pending_sys)
+                    pending_sys = []
+                    sys_fence_since_store = True
             elif op.startswith("ld."):
                 kind = _strength(op)
                 if kind == "acquire":
                     rep.acquire_loads += 1
+                    rep.sys_acquire_loads += _is_sys(op)
                 elif kind == "relaxed":
                     pending_loads.append(n)
-                elif _is_global_load(op) and pending_loads:
+                    if _is_sys(op):
+                        pending_sys.append(n)
+                elif _is_global_load(op) and (pending_loads or pending_sys):
                     for m in pending_loads:
                         rep.violations.append(
                             f"P1 line {m}: relaxed spin load is not acquire and no fence.acq_rel/"
                             f"fence.sc precedes the data load at line {n}")
-                    pending_loads = []
+                    for m in pending_sys:
+                        rep.violations.append(
+                            f"P4 line {m}: relaxed system-scope load is not acquire and no fence.acq_rel.sys/"
+                            f"fence.sc.sys precedes the data load at line {n}")
+                    pending_loads, pending_sys = [], []
             elif op.startswith(("atom.", "red.")):
                 if _strength(op) == "release" or ".acq_rel" in op:
                     rep.release_signals += 1
+                    rep.sys_release_signals += _is_sys(op)
                 elif fence_since_store:
                     rep.fenced_signals += 1
+                    if _is_sys(op) and sys_fence_since_store:
+                        rep.sys_release_signals += 1
+                    elif _is_sys(op):
+                        rep.violations.append(f"P4 line {n}: system-scope '{op}' is fenced at gpu scope only")
                 else:
                     rep.violations.append(
                         f"P2 line {n}: '{op}' is neither release nor preceded by a fence")
@@ -121,6 +156,7 @@ def audit_ptx(ptx: str, *, expect_signals: bool = True) -> AuditReport:
                     rep.violations.append(f"P2 line {n}: relaxed store '{op}' without a fence")
                 elif ".global" in op or op.startswith("st.global"):
                     fence_since_store = False
+                    sys_fence_since_store = False
         for m in pending_loads:
             rep.fenced_relaxed_loads += 0  # never followed by a data load: harmless
     if rep.acquire_loads + rep.fenced_relaxed_loads == 0 and not any(
@@ -128,6 +164,10 @@ def audit_ptx(ptx: str, *, expect_signals: bool = True) -> AuditReport:
         rep.violations.append("P3: no synchronizing (acquire or fenced) load in the kernel")
     if expect_signals and rep.release_signals + rep.fenced_signals == 0:
         rep.violations.append("P3: no release signal in the kernel")
+    if expect_sys and rep.sys_acquire_loads == 0:
+        rep.violations.append("P4: a multi-rank kernel without a system-scope acquire load (the peer waits)")
+    if expect_sys and rep.sys_release_signals == 0:
+        rep.violations.append("P4: a multi-rank kernel without a system-scope release signal (the peer signals)")
     return rep
 
 
@@ -144,7 +184,8 @@ def audit_plan(plan, out_dir) -> AuditReport:
     from .codegen import compile_plan
 
     _, _, dump = compile_plan(plan, out_dir, keep_ptx=True)
-    return audit_dir(dump, expect_signals=any(t.signal_event >= 0 for t in plan.tasks))
+    return audit_dir(dump, expect_signals=any(t.signal_event >= 0 for t in plan.tasks),
+                     expect_sys=plan.ranks > 1)
 
 
 def main(argv: list[str]) -> int:

@@ -32,6 +32,11 @@ T5  every byte a row reads lies in its task's LOADs, or was written by an earlie
     transposed MLA weights, ATTN_RES source tables).
 T6  a prefetch range lies in one static weight (a weight-kind region no row writes) and inside
     its task's LOADs of that weight.
+T7  (multi-rank tables, one rank's table against the replicated schedule: peers by offset) a
+    task's rows wait at system scope exactly where its WAITs are at system scope, signal with
+    the SIGNALs' scopes and peer offsets (SIGNAL_PEER), and write into each peer's arena
+    (COMM PUSH) exactly the bytes of its STOREs to that peer offset, before the signal; a row
+    may touch a peer's memory only through those words.
 
 `check_plan(lowered, plan, base)` raises `TableVerifyError` (one line naming the rule, the task,
 the CTA and the row) on the first table that breaks a rule; `verify_table` returns every
@@ -58,7 +63,7 @@ from fusec.ir.types import DType, Kind
 from .byte_sets import (INTER, MINUS, UNION, ByteSpace, Operand, bands_op, count_ranges, highest, left, meets,
                         merged, set_op, union_all)
 from .memory import MemoryPlan, itemsize
-from .plan import NO_EVENT, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, Word
+from .plan import NO_EVENT, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, RankWord, ScopeCode, Word
 
 
 class TableVerifyError(ValueError):
@@ -152,6 +157,15 @@ class _Static(list):
     """The pieces of an operand that must be a static weight or lowering table."""
 
 
+class _PeerWrite(list):
+    """The pieces of an operand written into the arena of the rank `peer` offsets away (offsets
+    in that arena: the arenas share one memory plan)."""
+
+    def __init__(self, peer: int, pieces):
+        super().__init__(pieces)
+        self.peer = peer
+
+
 class _Group:
     """Operands of one row, `members()` in order, that the check takes as one, `whole` (the
     pieces of their union): where the union breaks no rule none of them does, and where it
@@ -164,7 +178,7 @@ class _Group:
         self.whole, self.members = whole, members
 
 
-def footprint(w, B: int, base: int, arena: _Arena, consts: dict) -> tuple[list, list]:
+def footprint(w, B: int, base: int, arena: _Arena, consts: dict, peer_bases=None) -> tuple[list, list]:
     """(operands read, operands written) of one row `w` (ROW_WORDS ints): per operand its pieces
     (byte ranges and strided runs, arena offsets; `_Static` for weights and tables). Stated from plan.py's opcode
     docstrings; run-time picks (expert ids, token ids, cache positions) are covered over all the
@@ -295,6 +309,23 @@ def footprint(w, B: int, base: int, arena: _Arena, consts: dict) -> tuple[list, 
     elif op == Opcode.ARGMAX:
         R.append(_rows(at(0), _f32(p1, F32Flag.A0), range(n0, n1), ldx, 0, K))
         Wr.append([(at(2) + 4 * n0, at(2) + 4 * n1)])
+    elif op == Opcode.COMM:
+        ea, eo, G = _f32(p1, F32Flag.A0), _f32(p1, F32Flag.OUT), p2
+        R.append(_rows(at(0), ea, allb, ldx, n0, n1))
+        if sub == CommOp.PUSH:
+            if p0 and peer_bases is not None and p0 in peer_bases:
+                Wr.append(_PeerWrite(p0, _rows(a[2] - peer_bases[p0], ea, allb, ldy, n0, n1)))
+            else:           # offset 0 (or no such peer): the row writes this rank's own arena
+                Wr.append(_rows(at(2), ea, allb, ldy, n0, n1))
+        elif sub in (CommOp.ALL_REDUCE, CommOp.ALL_GATHER):
+            for d in range(1, G):       # slots [G, B, N1] contiguous; slot 0 is never written
+                R.append(_rows(at(1) + d * B * n1 * ea, ea, allb, n1, n0, n1))
+            if sub == CommOp.ALL_REDUCE:
+                Wr.append(_rows(at(2), eo, allb, ldy, n0, n1))
+            else:
+                Wr.append([q for j in range(G) for q in _rows(at(2), eo, allb, ldy, j * n1 + n0, j * n1 + n1)])
+        else:
+            R.append([(-1, 0)])
     else:
         R.append([(-1, 0)])             # an opcode this decoder does not know: nothing it reads is accepted
     return R, Wr
@@ -400,17 +431,25 @@ def _region_bytes(mem: MemoryPlan, name: str, box, mxfp4: bool) -> list:
 
 
 def verify_table(schedule: Schedule, mem: MemoryPlan, words, bounds, num_events: int, batch: int,
-                 consts: dict, base: int = 0) -> list[TableViolation]:
-    """Every violation of T1-T6 by the packed table `words` (rows in queue order) with CTA
-    queue `bounds` ([start, end) per CTA)."""
+                 consts: dict, base: int = 0, peer_bases=None) -> list[TableViolation]:
+    """Every violation of T1-T7 by the packed table `words` (rows in queue order) with CTA
+    queue `bounds` ([start, end) per CTA). A multi-rank schedule's table is one rank's, with
+    `peer_bases[p]` the base its PUSH rows' peer addresses are relative to."""
     # millions of small tuples, many kept (the operand cache): see fusec.ir.gc_pause
     with gc_paused():
-        return _verify(schedule, mem, words, bounds, batch, consts, base)
+        return _verify(schedule, mem, words, bounds, batch, consts, base, peer_bases)
 
 
-def _verify(schedule: Schedule, mem: MemoryPlan, words, bounds, batch: int, consts: dict, base: int):
+def _verify(schedule: Schedule, mem: MemoryPlan, words, bounds, batch: int, consts: dict, base: int,
+            peer_bases=None):
     out: list[TableViolation] = []
     s = schedule
+    ranked = s.ranks > 1
+    if ranked and peer_bases is None:
+        peer_bases = {p: base for p in range(s.ranks)}
+    if ranked and any(len(w) <= max(RankWord) for w in words):
+        return [TableViolation("T7", None, f"a {s.ranks}-rank table needs rows of {max(RankWord) + 1} words "
+                                           "(scopes and signal peers)")]
     B = int(s.dims["B"])
     if batch != B:
         out.append(TableViolation("T1", None, f"the kernel runs batch {batch}, the schedule batch {B}"))
@@ -452,13 +491,17 @@ def _verify(schedule: Schedule, mem: MemoryPlan, words, bounds, batch: int, cons
     per_step = {e.id: e.per_step for e in s.events if e.rank == 0}
     static = arena.static_segs          # weight regions, whole: a byte set's segments say it
     ops = {}
+    peer_w: dict[int, list] = {}        # row -> [(peer offset, byte set)] (T7)
     for r, w in enumerate(words):
         try:
-            rd, wr = footprint(w, B, base, arena, consts)
+            rd, wr = footprint(w, B, base, arena, consts, peer_bases if ranked else None)
         except Exception as e:      # words no body could run: rejected, never a crash
             rd, wr = [[(-1, 0)]], []
             out.append(TableViolation("T5", w[Word.TASK_ID], f"row cannot be decoded ({type(e).__name__}: {e})",
                                       None, r))
+        if any(isinstance(x, _PeerWrite) for x in wr):
+            peer_w[r] = [(x.peer, arena.bytes_of(list(x))) for x in wr if isinstance(x, _PeerWrite)]
+            wr = [x for x in wr if not isinstance(x, _PeerWrite)]
         # per operand: its bytes (a group's: their union), whether it must be static, its group
         ops[r] = ([(arena.operand(x.whole), False, x) if isinstance(x, _Group) else
                    (arena.operand(x), isinstance(x, _Static), None) for x in rd],
@@ -503,13 +546,15 @@ def _verify(schedule: Schedule, mem: MemoryPlan, words, bounds, batch: int, cons
             if e != NO_EVENT:
                 got_s[e] += 1
                 first_sig = k if first_sig is None else first_sig
-            if any(o.bytes for o, _ in ops[r][1]):
+            if any(o.bytes for o, _ in ops[r][1]) or r in peer_w:
                 last_write = k
         if got_s != want_s:
             out.append(TableViolation("T3", t.id, f"the rows signal {_evs(got_s)}, the schedule's task {_evs(want_s)}", c))
         elif first_sig is not None and first_sig < last_write:
             out.append(TableViolation("T3", t.id, f"row {rows[first_sig]} signals e{words[rows[first_sig]][Word.SIGNAL_EVENT]} "
                                                   f"before row {rows[last_write]} stores", c, rows[first_sig]))
+        if ranked:
+            _check_ranked(t, s.ranks, rows, words, peer_w, mem, arena, c, out)
         # -- T4 / T5: bytes, operand by operand ---------------------------------------------------
         written: dict = {}                  # what the task's rows before this one wrote
         data = {k: v for k, v in ld.items() if k not in static}       # loaded bytes that are no weight
@@ -612,6 +657,50 @@ def _verify(schedule: Schedule, mem: MemoryPlan, words, bounds, batch: int, cons
     return out
 
 
+def _check_ranked(t, R: int, rows, words, peer_w, mem: MemoryPlan, arena: _Arena, c: int, out: list) -> None:
+    """T7 for one task of a multi-rank table (module docstring)."""
+    sysc = int(ScopeCode.SYS)
+
+    def scope(sc) -> int:
+        return sysc if sc.value == "sys" else int(ScopeCode.GPU)
+    want_w = Counter((i.event, scope(i.scope)) for i in t.instrs if i.kind is InstrKind.WAIT)
+    got_w = Counter((words[r][Word.WAIT_EVENT], words[r][RankWord.WAIT_SCOPE]) for r in rows
+                    if words[r][Word.WAIT_EVENT] != NO_EVENT)
+    if got_w != want_w:
+        out.append(TableViolation("T7", t.id, "the rows wait on " + _scoped(got_w) + ", the schedule's task on "
+                                  + _scoped(want_w), c))
+    want_s = Counter((i.event, scope(i.scope), (i.peer or 0) % R) for i in t.instrs if i.kind is InstrKind.SIGNAL)
+    got_s = Counter((words[r][Word.SIGNAL_EVENT], words[r][RankWord.SIGNAL_SCOPE], words[r][RankWord.SIGNAL_PEER])
+                    for r in rows if words[r][Word.SIGNAL_EVENT] != NO_EVENT)
+    if got_s != want_s:
+        out.append(TableViolation("T7", t.id, "the rows signal " + _scoped(got_s) + ", the schedule's task "
+                                  + _scoped(want_s), c))
+    want_p: dict[int, list] = defaultdict(list)
+    for i in t.instrs:
+        if i.kind is InstrKind.STORE and i.region.rank not in (None, t.rank):
+            want_p[i.region.rank].append(arena.bytes_of(_region_bytes(mem, i.region.tensor, i.region.box, False)))
+    got_p: dict[int, list] = defaultdict(list)
+    for r in rows:
+        for p, iv in peer_w.get(r, ()):
+            got_p[p].append(iv)
+    for p in sorted(set(want_p) | set(got_p)):
+        want, got = union_all(want_p.get(p, [])), union_all(got_p.get(p, []))
+        if set_op(want, got, MINUS) or set_op(got, want, MINUS):
+            what = f"write {_where(arena, got)}" if got else "write nothing"
+            out.append(TableViolation("T7", t.id, f"into the arena of rank offset {p} the rows {what}; the "
+                                      + (f"schedule's STOREs there are {_where(arena, want)}" if want else
+                                         "schedule's task stores nothing there"), c))
+
+
+def _scoped(c: Counter) -> str:
+    if not c:
+        return "nothing"
+    names = {int(v): v.name.lower() for v in ScopeCode}
+    return ", ".join(f"e{k[0]} at {names.get(k[1], k[1])} scope" + (f" to rank offset {k[2]}" if len(k) > 2 and k[2]
+                                                                    else "") + (f" x{n}" if n > 1 else "")
+                     for k, n in sorted(c.items()))
+
+
 class _Touched:
     """The bytes each task touches (its LOADs, STOREs and its rows' operands): per segment the
     tasks that touch it, and, built for a segment when first asked, the bytes of it that two or
@@ -703,12 +792,13 @@ def _where_range(arena: _Arena, a: int, b: int, more: int = 0) -> str:
     return f"'{reg.name}' bytes [{a - reg.offset}, {b - reg.offset}){more}"
 
 
-def check_plan(lowered, plan, base: int = 0) -> None:
+def check_plan(lowered, plan, base: int = 0, peer_bases=None) -> None:
     """Raise TableVerifyError with the first violation of the packed table of `plan` (addresses
-    relative to `base`), lowered from `lowered.schedule`."""
+    relative to `base`; a multi-rank table's peer addresses to `peer_bases`), lowered from
+    `lowered.schedule`."""
     words, bounds = plan.table_words()
     errs = verify_table(lowered.schedule, lowered.memory, words, bounds, plan.num_events, plan.batch,
-                        lowered.consts, base)
+                        lowered.consts, base, peer_bases)
     if errs:
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         raise TableVerifyError(f"cute table verifier: {errs[0]}{more}")
