@@ -297,3 +297,20 @@ def test_planted_wrong_relocation_and_rank_slice_change_the_numbers():
                 and x.a1 - RANK_STRIDE in moved else x for x in rows]
     res = _run(kimi_k3, 2, 1, 1, seed=0, mutate=half0)
     assert res[1][1] > 0 and res[0][1] > 0, res
+
+
+def test_emit_cute_writes_every_ranks_table(tmp_path):
+    """`fusec compile --ranks 2 --emit cute`: one kernel (its source depends on R, not on the
+    rank), a verified task table per rank, rank-dependent where the collectives are."""
+    _cutlass()
+    import pathlib
+
+    from fusec.compiler import compile_to_dir
+    model = pathlib.Path(__file__).resolve().parents[1] / "models" / "llama.py"
+    res = compile_to_dir(str(model), "tiny", out=tmp_path / "o", emit="cute", ranks=2)
+    cute = tmp_path / "o" / "cute"
+    t0, t1 = ((cute / f"task_table.rank{r}.txt").read_text() for r in (0, 1))
+    assert "# rank 0 of 2" in t0 and "# rank 1 of 2" in t1
+    assert t0.replace("rank 0 of 2", "") != t1.replace("rank 1 of 2", "")   # ALL_REDUCE's group index
+    assert not (cute / "task_table.txt").exists()
+    assert "2 ranks" in res.summary and "PASS" in (cute / "audit.txt").read_text()

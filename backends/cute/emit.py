@@ -3,7 +3,9 @@
 Writes into the output folder (CPU only; CUTE_DSL_ARCH=sm_90a is set for the compile):
   cute/<kernel>.py        the generated CuTe DSL module (what `cute.compile` traced)
   cute/<kernel>.ptx       its PTX for sm_90a (the file the memory-order audit read)
-  cute/task_table.txt     rows per CTA queue; addresses as arena byte offsets (no device pointers)
+  cute/task_table.txt     rows per CTA queue; addresses as arena byte offsets (no device pointers);
+                          a multi-rank schedule writes task_table.rank<r>.txt for every rank r
+                          (one kernel serves them all: its source depends on R, not on the rank)
   cute/memory_plan.txt    arena regions and views
   cute/audit.txt          PTX audit (P1-P3) summary and violations, compile time
   cute/<kernel>.h / .o    with aot=True: `export_to_c` header and sm_90a object
@@ -28,12 +30,15 @@ def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]
     """Lower `prog.schedule`, compile for sm_90a, audit; returns (written files, one-line summary)."""
     from .codegen import DEFAULT_ARCH, compile_plan
     os.environ.setdefault("CUTE_DSL_ARCH", DEFAULT_ARCH)
-    from .lower import lower_schedule
+    from .lower import lower_ranks
     from .ptx_audit import audit_dir
 
     out = pathlib.Path(out) / "cute"
-    low = lower_schedule(prog.schedule)
+    lows = lower_ranks(prog.schedule)
+    low = lows[0]
     plan = low.plan(base=0)
+    for other in lows[1:]:
+        other.plan(base=0)                    # every rank's packed table through the table verifier
     build = out / "build"
     if build.exists():
         shutil.rmtree(build)
@@ -46,7 +51,10 @@ def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]
     written.append(_write_text(out / f"{stem}.py", module.read_text()))
     ptx = sorted(dump.rglob("*.ptx"))
     written.append(_write_text(out / f"{stem}.ptx", "\n".join(p.read_text() for p in ptx)))
-    written.append(_write_text(out / "task_table.txt", low.table_text() + "\n"))
+    if len(lows) == 1:
+        written.append(_write_text(out / "task_table.txt", low.table_text() + "\n"))
+    else:
+        written += [_write_text(out / f"task_table.rank{lw.rank}.txt", lw.table_text() + "\n") for lw in lows]
     written.append(_write_text(out / "memory_plan.txt", low.memory.describe() + "\n"))
     audit = "\n".join([rep.summary(), *("  " + v for v in rep.violations),
                        f"bodies: {', '.join(o.name for o in plan.opcodes)}",
@@ -58,6 +66,7 @@ def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]
     shutil.rmtree(build, ignore_errors=True)
     if not rep.ok:
         raise ValueError(f"cute: PTX audit failed for {stem}: {rep.violations[0]}")
-    return written, (f"cute: {len(plan.tasks)} task rows on {plan.num_ctas} CTAs, bodies "
+    ranks = f" per rank, {len(lows)} ranks" if len(lows) > 1 else ""
+    return written, (f"cute: {len(plan.tasks)} task rows on {plan.num_ctas} CTAs{ranks}, bodies "
                      f"{', '.join(o.name for o in plan.opcodes)}; compiled for sm_90a in {secs:.1f} s; "
                      f"{rep.summary()}")
