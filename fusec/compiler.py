@@ -27,7 +27,7 @@ from fusec.ir.printer import print_graph
 from fusec.ir.verify import verify_graph
 from fusec.loader import load_graph
 from fusec.extras import require_cute
-from fusec.outputs import staged_dir, write_text
+from fusec.outputs import background, staged_dir, write_text
 from fusec.stats import format_summary, graph_stats
 
 
@@ -77,12 +77,20 @@ def _compile_into(graph, out: Path, *, emit, ranks, batch, max_len, passes, prin
     # tile, schedule and verify stages. The collector is paused while the schedule is built,
     # checked and written (see gc_paused).
     with gc_paused(), _progress(len(parse_pipeline(passes)) + 2) as bar:
-        prog = lower(graph, Options.from_env(ranks=ranks, batch=batch, max_len=max_len,
-                                             print_ir_after_all=print_ir_after_all, dump_dir=dump_dir),
-                     passes, progress=bar)
-        bar.set_description("fusec: write outputs")
+        opts = Options.from_env(ranks=ranks, batch=batch, max_len=max_len,
+                                print_ir_after_all=print_ir_after_all, dump_dir=dump_dir)
+        prog = lower(graph, opts, passes, progress=bar, verify=False)
         res.program = prog
-        res.written += write_schedule_outputs(prog, out, full_trace=trace == "full", schedule=schedule)
+        # The outputs are printed from the program as the pipeline left it, which verification
+        # only reads: a forked child writes them (about 2 s for the full K3) while this process
+        # verifies (about 5 s), on the second core. verify.txt needs the verdict: written here.
+        with background(lambda: write_schedule_files(prog, out, full_trace=trace == "full",
+                                                     schedule=schedule)) as writer:
+            final_verify(prog, opts)
+            bar.update(1)
+            bar.set_description("fusec: write outputs")
+            res.written += writer.result()
+        res.written += write_verify_report(prog, out)
         bar.update(1)
     res.summary += "\n" + schedule_summary(prog)
     if emit == "cute":
@@ -121,11 +129,12 @@ def _progress(total: int):
                 bar_format="{desc:<24} {bar:20} {n_fmt}/{total_fmt} [{elapsed}]")
 
 
-def lower(graph, opts: Options, passes: str = "default", progress=None):
+def lower(graph, opts: Options, passes: str = "default", progress=None, verify: bool = True):
     """Run the pipeline on a copy of `graph`, then verify it (once at the end unless
-    `opts.verify_each_pass`, which checks after every pass); dumps every stage when asked.
+    `opts.verify_each_pass`, which checks after every pass; `verify=False` leaves the final
+    check to the caller: `final_verify`); dumps every stage when asked.
     `progress`: a tqdm bar advanced once per pass and once for the final verification."""
-    from fusec.passes.manager import PassError, Program, parse_pipeline, run_pipeline, verify_program
+    from fusec.passes.manager import Program, parse_pipeline, run_pipeline
     names = parse_pipeline(passes)
     prog = Program(graph.copy(), opts)
 
@@ -147,14 +156,23 @@ def lower(graph, opts: Options, passes: str = "default", progress=None):
     if progress is not None and names:
         progress.set_description(f"fusec: {names[0]}")
     run_pipeline(prog, names, on_stage)
-    if not opts.verify_each_pass:
-        try:
-            verify_program(prog)
-        except ValueError as e:
-            raise PassError(f"after the pipeline: {e}") from None
-    if progress is not None:
-        progress.update(1)
+    if verify:
+        final_verify(prog, opts)
+        if progress is not None:
+            progress.update(1)
     return prog
+
+
+def final_verify(prog, opts: Options) -> None:
+    """The check after the pipeline (IR, task families, memory order), unless every pass was
+    already checked (`opts.verify_each_pass`); PassError names the broken rule."""
+    from fusec.passes.manager import PassError, verify_program
+    if opts.verify_each_pass:
+        return
+    try:
+        verify_program(prog)
+    except ValueError as e:
+        raise PassError(f"after the pipeline: {e}") from None
 
 
 def lower_for_cute(graph, batch: int, max_len: int, sms: int | None = None):
@@ -180,20 +198,32 @@ SCHEDULE_FILES = {"gz": "schedule.fsched.gz", "text": "schedule.fsched"}
 
 
 def write_schedule_outputs(prog, out: Path, full_trace: bool = False, schedule: str = "gz") -> list[Path]:
+    """Every [--emit all] output of a lowered program (verifying the schedule if that was not done)."""
+    return write_schedule_files(prog, out, full_trace, schedule) + write_verify_report(prog, out)
+
+
+def write_schedule_files(prog, out: Path, full_trace: bool = False, schedule: str = "gz") -> list[Path]:
+    """lowered.fir, and once there is a schedule: the schedule, trace.json, tasks.dot."""
     written = [write_text(out / "lowered.fir", print_graph(prog.graph))]
     if prog.schedule is None:
         return written
     from fusec.ir.schedule_text import print_schedule
-    from fusec.passes.memory_order import check_schedule
     from fusec.trace import chrome_trace, task_graph_dot
     written.append(write_text(out / SCHEDULE_FILES[schedule], print_schedule(prog.schedule)))
-    report = prog.notes.get("memory_order") or check_schedule(prog.schedule)
-    written.append(write_text(out / "verify.txt", format_report(report) + "\n"))
     # ranks of a replicated schedule run the same timeline: draw a few, not all 64
     trace = chrome_trace(prog.schedule, ranks=TRACE_RANKS, full=full_trace)
     written.append(write_text(out / "trace.json", json.dumps(trace, separators=(",", ":"))))
     written.append(write_text(out / "tasks.dot", task_graph_dot(prog.schedule)))
     return written
+
+
+def write_verify_report(prog, out: Path) -> list[Path]:
+    """verify.txt: the memory-order report of the final check (run here if it was not)."""
+    if prog.schedule is None:
+        return []
+    from fusec.passes.memory_order import check_schedule
+    report = prog.notes.get("memory_order") or check_schedule(prog.schedule)
+    return [write_text(out / "verify.txt", format_report(report) + "\n")]
 
 
 def format_report(report) -> str:

@@ -1,10 +1,13 @@
-"""Write output files atomically: a temporary name in the same folder, then rename; and whole
-output folders through a staging folder (`staged_dir`)."""
+"""Write output files atomically: a temporary name in the same folder, then rename; whole output
+folders through a staging folder (`staged_dir`); and output writing beside other work
+(`background`)."""
 from __future__ import annotations
 
 import gzip
 import os
+import pickle
 import shutil
+import signal
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,3 +95,84 @@ def _merge(src: Path, dst: Path) -> None:
             _merge(p, dst / p.name)
         else:
             os.replace(p, dst / p.name)
+
+
+class _Done:
+    """A job already run in this process (no fork here): its result, or its exception."""
+
+    def __init__(self, fn):
+        self._value, self._error = None, None
+        try:
+            self._value = fn()
+        except Exception as e:   # raised where the caller asks for the result, as with a fork
+            self._error = e
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Forked:
+    """A job running in a forked child: `result()` waits for it and returns its value (or raises
+    its exception); `cancel()` kills it and waits, so nothing writes after the caller moves on."""
+
+    def __init__(self, fn):
+        r, w = os.pipe()
+        self._pid = os.fork()
+        if self._pid == 0:                      # the child: run, report, leave at once
+            os.close(r)
+            status = 0
+            try:
+                payload = pickle.dumps(("ok", fn()))
+            except BaseException as e:           # the parent re-raises it
+                status = 1
+                try:
+                    payload = pickle.dumps(("error", e))
+                except Exception:
+                    payload = pickle.dumps(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+            with os.fdopen(w, "wb") as f:
+                f.write(payload)
+            os._exit(status)                    # no atexit handlers, no flush of the parent's buffers
+        os.close(w)
+        self._pipe = os.fdopen(r, "rb")
+
+    def result(self):
+        data = self._pipe.read()
+        self._pipe.close()
+        _, status = os.waitpid(self._pid, 0)
+        if not data:
+            raise RuntimeError(f"the output writer stopped (wait status {status}) without a result")
+        kind, value = pickle.loads(data)
+        if kind == "error":
+            raise value
+        return value
+
+    def cancel(self) -> None:
+        if self._pipe.closed:
+            return
+        self._pipe.close()
+        try:
+            os.kill(self._pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self._pid, 0)
+
+
+@contextmanager
+def background(fn):
+    """Run `fn()` (it writes files and returns what it wrote) in a forked child while the body
+    of the `with` runs here, on another core; `.result()` inside the body waits for it. If the
+    body raises, the child is killed first, so nothing is written after the caller (e.g.
+    `staged_dir`) cleans up. Without os.fork (Windows), `fn()` runs here at once.
+    The child sees the parent's objects as they were at the fork: `fn` must only read state
+    that the body does not change."""
+    job = _Forked(fn) if hasattr(os, "fork") else _Done(fn)
+    try:
+        yield job
+    except BaseException:
+        job.cancel()
+        raise

@@ -84,3 +84,54 @@ def test_schedule_text_on_request_is_the_gzip_text(out_r2, tmp_path):
     assert not (out / "schedule.fsched.gz").exists()
     assert (out / "schedule.fsched").read_bytes() == gzip.decompress((out_r2 / "schedule.fsched.gz").read_bytes())
     assert main(["verify", str(out)]) == 0
+
+
+def test_background_writer_returns_raises_and_is_cancelled(tmp_path):
+    """fusec.outputs.background (the compile writes its outputs in a forked child while it
+    verifies): the child's result comes back, its exception is raised here with its type, and
+    when the body fails the child is killed before it writes anything more."""
+    import os
+    import time
+
+    from fusec.outputs import background, write_text
+
+    with background(lambda: [write_text(tmp_path / "a.txt", "a")]) as job:
+        assert job.result() == [tmp_path / "a.txt"]
+    assert (tmp_path / "a.txt").read_text() == "a"
+
+    def fails():
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        with background(fails) as job:
+            job.result()
+
+    def slow():
+        time.sleep(0.5)
+        return [write_text(tmp_path / "late.txt", "late")]
+
+    with pytest.raises(ValueError, match="verify failed"):
+        with background(slow):
+            raise ValueError("verify failed")
+    time.sleep(0.8)
+    assert not (tmp_path / "late.txt").exists()
+    if hasattr(os, "fork"):                     # no child left behind
+        with pytest.raises(ChildProcessError):
+            os.waitpid(-1, os.WNOHANG)
+
+
+def test_failed_verification_writes_nothing(tmp_path, monkeypatch, capsys):
+    """A compile whose final verification fails: one error line, exit 2, no output folder, even
+    though its outputs were being written beside the check."""
+    import fusec.compiler as compiler
+    from fusec.passes.manager import PassError
+
+    def broken(prog, opts):
+        raise PassError("after the pipeline: planted failure")
+
+    monkeypatch.setattr(compiler, "final_verify", broken)
+    out = tmp_path / "o"
+    assert main(["compile", "models/llama.py", "--config", "tiny", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "fusec: error:" in err and "planted failure" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
