@@ -89,6 +89,21 @@ class SeqSplit:
 
 
 @dataclass(frozen=True)
+class Route:
+    """A routing op (`OpDef.route`): per row it picks the `k(attrs)` best of its selection
+    scores, `scores(operands, attrs)` (fp32 [rows, choices]), and reports the picks in result
+    `ids` and their mixing weights, `mix(operands, attrs, ids)`, in result `weights`. Tools that
+    compare two runs' routing (golden checks, kernel-vs-reference bisection) read the choice and
+    its margin from here: a pick whose score gap to the next is within rounding is a near-tie,
+    not an error, and one run may be made to follow the other's picks."""
+    ids: int
+    weights: int
+    k: Callable[[Mapping], int]
+    scores: Callable[[list, Mapping], Any]
+    mix: Callable[[list, Mapping, Any], Any]
+
+
+@dataclass(frozen=True)
 class AttrTable:
     """A constant table the op's computation reads, made from its attributes alone
     (`OpDef.attr_table`; RoPE's inverse frequencies): a backend builds it once per distinct
@@ -189,6 +204,9 @@ class OpDef:
     seq_split: SeqSplit | None = None
     # a constant table made from the attributes (`AttrTable`) that the op reads; None: none
     attr_table: AttrTable | None = None
+    # a routing op: which results hold its picks and weights, and the scores it picks from
+    # (`Route`); None: not a router
+    route: Route | None = None
     doc: str = ""
 
     @property

@@ -15,6 +15,9 @@ from fusec.cli import main
 from fusec.models import kimi_k3
 from fusec.testing import golden
 from fusec.weights import random_weights
+from fusec.ir.registry import get_op
+
+ROUTER = get_op("router")   # the fake steps' router ops carry its registry entry (OpDef.route)
 
 MODEL = kimi_k3.__file__
 STEPS = 4
@@ -143,7 +146,7 @@ class _FakeStep:
 def _synthetic(margins, cand_ids, cand_offsets):
     """Check a scripted candidate against a scripted record (fp32 tolerance 1e-4, near-tie 1e-3):
     {(step, row): Cell}, Verdict."""
-    op = types.SimpleNamespace(opname="router", outputs=[types.SimpleNamespace(name="r.w"),
+    op = types.SimpleNamespace(opname="router", opdef=ROUTER, attrs={"topk": 1, "scale": 1.0}, outputs=[types.SimpleNamespace(name="r.w"),
                                                          types.SimpleNamespace(name="r")])
     steps, rows = len(margins), len(margins[0])
     logits = torch.randn(steps, rows, 16, generator=torch.Generator().manual_seed(0))
@@ -211,9 +214,9 @@ def test_pytest_plugin_pins_a_model(tmp_path):
 def test_the_megakernel_routes_are_read_from_its_arena():
     """For the cute backend the tap reads each router's ids from the arena after the step (the
     runner has no executor hook); routers the lowered graph lacks are left out."""
-    op = types.SimpleNamespace(opname="router", outputs=[types.SimpleNamespace(name="l1.w"),
+    op = types.SimpleNamespace(opname="router", opdef=ROUTER, attrs={"topk": 1, "scale": 1.0}, outputs=[types.SimpleNamespace(name="l1.w"),
                                                          types.SimpleNamespace(name="l1.ids")])
-    gone = types.SimpleNamespace(opname="router", outputs=[types.SimpleNamespace(name="l2.w"),
+    gone = types.SimpleNamespace(opname="router", opdef=ROUTER, attrs={"topk": 1, "scale": 1.0}, outputs=[types.SimpleNamespace(name="l2.w"),
                                                            types.SimpleNamespace(name="l2.ids")])
     arena = {"l1.ids": torch.tensor([[5, 2], [1, 7]], dtype=torch.int32)}
     runner = types.SimpleNamespace(mem=types.SimpleNamespace(tensor=arena.__getitem__),

@@ -168,15 +168,19 @@ class RouteReplay:
     def record(self, op, ins, outs):
         if self.inner is not None:
             outs = self.inner(op, ins, outs)
-        if op.opname == "router":
+        if op.opdef.route is not None:
             self.routes[op.outputs[0].name] = outs
         return outs
 
     def follow(self, op, ins, outs):
-        if op.opname != "router":
+        route = op.opdef.route
+        if route is None:
             return outs
-        w, ids = self.routes[op.outputs[0].name]
-        return [w.to(outs[0].dtype), ids]
+        rec = self.routes[op.outputs[0].name]
+        out = list(outs)
+        out[route.weights] = rec[route.weights].to(outs[route.weights].dtype)
+        out[route.ids] = rec[route.ids]
+        return out
 
 
 class RouteAlign:
@@ -198,13 +202,13 @@ class RouteAlign:
     def __call__(self, op, ins, outs):
         import torch
 
-        if op.opname != "router":
+        route = op.opdef.route
+        if route is None:
             return outs
-        logits, bias = ins
-        k, n = int(op.attrs["topk"]), logits.shape[-1]
-        ids = self.bound.tensor(op.outputs[1].name).long()
-        scores = torch.sigmoid(logits.float())
-        corr = scores + bias.float()
+        k = route.k(op.attrs)
+        ids = self.bound.tensor(op.outputs[route.ids].name).long()
+        corr = route.scores(list(ins), op.attrs).float()
+        n = corr.shape[-1]
         in_range = ((ids >= 0) & (ids < n)).all(-1)
         ids_c = ids.clamp(0, n - 1)
         gap = (corr.topk(k, -1).values[..., -1:] - corr.gather(-1, ids_c)).clamp_min(0).amax(-1)
@@ -212,12 +216,13 @@ class RouteAlign:
         dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
         bad = ~in_range | dup | (gap > self.tol)
         if bool(bad.any()):
-            self.violations.append(f"%{op.outputs[1].name} rows {bad.nonzero().flatten().tolist()}")
+            self.violations.append(f"%{op.outputs[route.ids].name} rows {bad.nonzero().flatten().tolist()}")
             return outs
-        differs = (srt != outs[1].long().sort(-1).values).any(-1)
+        differs = (srt != outs[route.ids].long().sort(-1).values).any(-1)
         self.flips += int(differs.sum())
         if bool(differs.any()):
             self.max_gap = max(self.max_gap, float(gap[differs].max()))
-        w = scores.gather(-1, ids_c)
-        w = w / w.sum(-1, keepdim=True) * float(op.attrs.get("scale", 1.0))
-        return [w, ids_c.to(torch.int32)]
+        out = list(outs)
+        out[route.weights] = route.mix(list(ins), op.attrs, ids_c).to(outs[route.weights].dtype)
+        out[route.ids] = ids_c.to(torch.int32)
+        return out

@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -186,12 +185,12 @@ class _RouteTap:
         self.step, self.record_margins = step, record_margins
         self.last: dict[str, tuple] = {}
         runner = step.runner
-        self.names = [op.outputs[1].name for op in step.graph.ops if op.opname == "router"]
+        self.names = [op.outputs[op.opdef.route.ids].name for op in step.graph.ops if op.opdef.route]
         if hasattr(runner, "last_env") and hasattr(runner, "run"):     # the reference executor
             runner.run = functools.partial(runner.run, hook=self._hook)
             self.kind = "hook"
         elif hasattr(runner, "mem") and hasattr(runner, "program"):    # the cute megakernel
-            have = {op.outputs[1].name for op in runner.program.graph.ops if op.opname == "router"}
+            have = {op.outputs[op.opdef.route.ids].name for op in runner.program.graph.ops if op.opdef.route}
             self.names = [n for n in self.names if n in have]
             self.kind = "arena" if self.names else None
         else:
@@ -202,10 +201,11 @@ class _RouteTap:
         return self.kind is not None
 
     def _hook(self, op, ins, outs):
-        if op.opname == "router":
-            ids = outs[1].long()
+        route = op.opdef.route
+        if route is not None:
+            ids = outs[route.ids].long()
             margin = _route_margin(op, ins) if self.record_margins else None
-            self.last[op.outputs[1].name] = (ids.sort(-1).values.cpu(), margin)
+            self.last[op.outputs[route.ids].name] = (ids.sort(-1).values.cpu(), margin)
         return outs
 
     def take(self) -> dict:
@@ -217,10 +217,12 @@ class _RouteTap:
 
 
 def _route_margin(op, ins) -> torch.Tensor:
-    """Per row: k-th minus (k+1)-th selection score. The router (ir/ops/moe.py) picks the top-k of
-    sigmoid(logits) + bias; a small gap is a choice that rounding can flip."""
-    k = int(op.attrs["topk"])
-    corr = torch.sigmoid(ins[0].float()) + ins[1].float()
+    """Per row: k-th minus (k+1)-th selection score of a routing op (`OpDef.route`: the router of
+    ir/ops/moe.py picks the top-k of sigmoid(logits) + bias); a small gap is a choice that
+    rounding can flip."""
+    route = op.opdef.route
+    k = route.k(op.attrs)
+    corr = route.scores(list(ins), op.attrs).float()
     if corr.shape[-1] <= k:
         return torch.full(corr.shape[:-1], float("inf"))
     top = corr.topk(k + 1, dim=-1).values

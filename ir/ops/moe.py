@@ -3,7 +3,7 @@ the selected ids (SiTU-GLU inside; bf16 or MXFP4 weights) and the weighted combi
 from __future__ import annotations
 
 from .._lazy import LazyModule
-from ..registry import Attr, AttrKind, Cost, OpDef, Tiling, Trait, act, register
+from ..registry import Attr, AttrKind, Cost, OpDef, Route, Tiling, Trait, act, register
 from ..types import DType
 from ._util import f32, need, need_dim, need_dtype, need_rank
 from .comm import CURRENT_RANK, group_index
@@ -23,17 +23,26 @@ def _router_infer(ts, at):
     return [act((b, at["topk"]), DType.f32), act((b, at["topk"]), DType.i32)]
 
 
+def _router_select(a, at):
+    """The scores the router's top-k is taken of: sigmoid(logits) + bias (fp32)."""
+    return torch.sigmoid(f32(a[0])) + f32(a[1])
+
+
+def _router_mix(a, at, ids):
+    """The weights of picks `ids`: the raw sigmoid scores (no bias), normalised, times scale."""
+    w = torch.sigmoid(f32(a[0])).gather(-1, ids.long())
+    return w / w.sum(-1, keepdim=True) * at["scale"]
+
+
 def _router_ref(a, at):
-    scores = torch.sigmoid(f32(a[0]))
-    _, ids = torch.topk(scores + f32(a[1]), at["topk"], dim=-1)   # choose on corrected scores
-    w = scores.gather(-1, ids)                                    # weigh by raw scores
-    w = w / w.sum(-1, keepdim=True) * at["scale"]
-    return [w, ids.to(torch.int32)]
+    _, ids = torch.topk(_router_select(a, at), at["topk"], dim=-1)   # choose on corrected scores
+    return [_router_mix(a, at, ids), ids.to(torch.int32)]
 
 
 register(OpDef("router", ("logits", "bias"), ("weights", "ids"), _router_infer, _router_ref,
                attrs={"topk": Attr(A.int), "scale": Attr(A.float, 1.0)},
                traits=frozenset({Trait.tokenwise, Trait.whole_row}), tile_epilogue=False,
+               route=Route(ids=1, weights=0, k=lambda at: int(at["topk"]), scores=_router_select, mix=_router_mix),
                doc="sigmoid scores; top-k of scores + bias; weights = scores[ids] / sum * scale"))
 
 
