@@ -128,10 +128,13 @@ class MixerLowering:
         t, op, redirect = c.t, c.op, c.redirect
         return self._attn_res(t, op, redirect)
 
-    @lowers('moe_gate_up', 'moe_down')
-    def _lower_experts(self, c: OpCtx):
-        t, op, redirect = c.t, c.op, c.redirect
-        return self._expert(t, op, redirect)
+    @lowers('moe_gate_up')
+    def _lower_gate_up(self, c: OpCtx):
+        return self._expert(c.t, c.op, c.redirect, glu=True)
+
+    @lowers('moe_down')
+    def _lower_down(self, c: OpCtx):
+        return self._expert(c.t, c.op, c.redirect, glu=False)
 
     @lowers('moe_combine')
     def _lower_moe_combine(self, c: OpCtx):
@@ -239,6 +242,8 @@ class MixerLowering:
         sources differ in dtype or row stride are they first copied into a bf16 stack."""
         off = lambda n: self._off(n, redirect)  # noqa: E731
         names = set(t.ops)
+        # The ATTN_RES body computes rms_norm's own math (weight, eps) after the mix: it folds
+        # that one op, so it is named here, as the lowering table names the ops it implements.
         norm = next((o for o in self.s.graph.ops if o.opname == "rms_norm" and o.outputs[0].name in names
                      and o.inputs[0].name == op.outputs[0].name), None)
         if norm is None:
@@ -273,10 +278,9 @@ class MixerLowering:
                      ("a0", "a1", "a2", "a5", "a6", "a7")))
         return rows
 
-    def _expert(self, t, op, redirect):
-        """moe_gate_up (GLU) / moe_down (DOWN): one EXPERT row for the task's (batch rows, slots,
-        output rows) tile; the body groups the tile's pairs by expert after routing."""
-        glu = op.opname == "moe_gate_up"
+    def _expert(self, t, op, redirect, glu: bool):
+        """moe_gate_up (`glu`: GLU mode) / moe_down (DOWN): one EXPERT row for the task's (batch
+        rows, slots, output rows) tile; the body groups the tile's pairs by expert after routing."""
         x, ids, w = (v.name for v in op.inputs[:3])
         out = op.outputs[0].name
         off = lambda n: self._off(n, redirect)  # noqa: E731
