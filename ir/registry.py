@@ -45,6 +45,9 @@ class Trait(enum.Enum):
     # window of operand 0 (slice); without one, operand 0's elements in the same order under a
     # new shape (reshape). The backends give it no task body of its own
     view = "view"
+    # its result is this rank's window of operand 0 (a rank-dependent offset, no data moves):
+    # a backend addresses it as operand 0's memory at the rank's offset (rank_slice)
+    rank_window = "rank_window"
     # fusion roles (read by passes/fuse.py):
     # a row normalisation with a weight: a GEMV may recompute it in every tile as its prologue
     # (its input is small at decode), and a `mix` takes it as its one epilogue

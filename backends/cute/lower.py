@@ -216,7 +216,16 @@ def _is_anchor(op: Op) -> bool:
 
 def _feeds_anchor_in(op: Op, names: set, ops: dict) -> bool:
     out = op.outputs[0].name
-    return any(_is_anchor(o) and o.inputs[0].name == out for n in names for o in [ops[n]])
+    return any(_is_anchor(o) and _memory_of(o.inputs[0].name, ops) == out for n in names for o in [ops[n]])
+
+
+def _memory_of(name: str, ops: dict) -> str:
+    """The value whose memory `name` is: back through views and rank windows (a norm feeding a
+    GEMV through this rank's slice of it is still that GEMV's prologue, and its per-task scratch
+    is what the slice must address)."""
+    while name in ops and ({Trait.view, Trait.rank_window} & ops[name].opdef.traits):
+        name = ops[name].inputs[0].name
+    return name
 
 
 def _scratch_name(t: Task, value: str) -> str:
@@ -370,7 +379,7 @@ class _TaskLowering(MixerLowering):
     def _lower_rms_norm(self, c: OpCtx):
         t, op, anchor, redirect, ins, out, view, off = c.t, c.op, c.anchor, c.redirect, c.ins, c.out, c.view, c.off
         b0, b1 = self._rows(c.t)
-        if anchor is not None and anchor.inputs[0].name == out:
+        if anchor is not None and _memory_of(anchor.inputs[0].name, self.ops) == out:
             redirect[out] = _scratch_name(t, out)
         if view(ins[0]).dtype is DType.f32:   # RMSNORM streams bf16: fp32 input -> EW RMS (one head)
             x, o, gm = view(ins[0]), view(out), view(ins[1])

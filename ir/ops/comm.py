@@ -130,5 +130,5 @@ def _rank_slice_ref(a, at):
 
 
 register(OpDef("rank_slice", ("x",), ("y",), _scatter_infer, _rank_slice_ref,
-               attrs={**RANKS, "dim": Attr(A.int, -1)}, traits=frozenset({Trait.elementwise}),
+               attrs={**RANKS, "dim": Attr(A.int, -1)}, traits=frozenset({Trait.elementwise, Trait.rank_window}),
                doc="this rank's slice (its index in its group) of a replicated value along dim (no data moves)"))
