@@ -41,6 +41,12 @@ def model_path() -> str:
     return os.path.join(os.path.dirname(m.__file__), "kimi_k3.py")
 
 
+def _tile_bytes(row) -> int:
+    """Bytes of a GEMV row's weight tile from its prefetch start (0: not a streamed GEMV row)."""
+    from fusec.backends.cute.prefetch import weight_row_bytes
+    return (row.n1 - row.n0) * weight_row_bytes(row)
+
+
 def routed_expert_bytes(run) -> tuple[float, float]:
     """(bytes of the experts the last step routed to, cost-model expert bytes) over all MoE ops."""
     g = run.program.graph
@@ -150,7 +156,10 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
     # slower than later ones on the H200.
     pf = {"default": (run.kernel, run.kernel.capture_graph(), [])}
     for cap in PREFETCH_KB:
-        rows = [dataclasses.replace(t, pf_bytes=min(t.pf_bytes, cap * 1024), pf_addr=t.pf_addr if cap else 0)
+        # A cap above the built range widens it up to the row's whole weight tile (rows whose
+        # task the prefetch pass hoisted only: pf_bytes > 0), still inside the task's LOADs.
+        rows = [dataclasses.replace(t, pf_bytes=min(_tile_bytes(t), cap * 1024) // 16 * 16 if t.pf_bytes else 0,
+                                    pf_addr=t.pf_addr if cap and t.pf_bytes else 0)
                 for t in run.plan.tasks]
         mk = run.kernel.sibling(run.plan.with_tasks(rows))
         pf[cap] = (mk, mk.capture_graph(), [])

@@ -32,7 +32,7 @@ class PrefetchError(ValueError):
     """A prefetch range that is not inside a static weight."""
 
 
-def _weight_bytes(row: TaskRow) -> int:
+def weight_row_bytes(row: TaskRow) -> int:
     """Bytes of one weight row of a GEMV task (0: not a streamed-weight body)."""
     if row.opcode == Opcode.GEMV_BF16:
         return row.k * 2
@@ -56,7 +56,7 @@ def add_weight_prefetch(rows, mem: MemoryPlan, hoisted: dict[int, set[str]],
     GEMVs get none: their weight loads are addressed by router ids, so they stay after the wait."""
     out = []
     for r in rows:
-        wb = _weight_bytes(r)
+        wb = weight_row_bytes(r)
         n = min(nbytes, (r.n1 - r.n0) * wb) // 16 * 16
         g = _region_at(mem, r.a0) if wb and n > 0 else None
         if g is not None and g.name in hoisted.get(r.task_id, ()):

@@ -110,3 +110,31 @@ def test_gemv_mma_shapes(batch):
     rt.check()
     for w, x, y in zip(ws, xs, ys):
         assert wl.rel_err(y, x.float() @ w.float().T) < 2e-2, (y.shape, y.dtype)
+
+
+@pytest.mark.parametrize("batch,rows_per_warp", [(1, 1), (1, 2), (4, 1)])
+def test_gemv_simt_shapes(batch, rows_per_warp):
+    """The CUDA-core GEMV_BF16 body on K of fewer than 32 vectors per row (8, 40, 128: several
+    rows per warp load, shuffles inside a row's lanes), K with a rest past the unrolled loop
+    (512, 1544), row counts that leave partial groups; bf16 and fp32 outputs."""
+    cases = [(70, 8, 2), (33, 40, 1), (1300, 128, 3), (150, 512, 2), (90, 1544, 3)]
+    ws = [_rand(n, k, scale=0.05) for n, k, _ in cases]
+    xs = [_rand(batch, k) for _, k, _ in cases]
+    ys = [torch.empty(batch, n, device="cuda", dtype=torch.float32 if i == 2 else BF)
+          for i, (n, _, _) in enumerate(cases)]
+    tasks, tid = [], 0
+    for (n, k, parts), w, x, y in zip(cases, ws, xs, ys):
+        rows = wl.gemv_tasks(w, x, y, parts, tid)
+        if y.dtype == torch.float32:
+            rows = [dataclasses.replace(r, p1=int(F32Flag.OUT)) for r in rows]
+        tasks += rows
+        tid += parts
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 5), num_events=1, batch=batch,
+                      threads=256, gemv="simt", rows_per_warp=rows_per_warp, name=f"t_simt_b{batch}_r{rows_per_warp}")
+    rt = Megakernel(plan)
+    for y in ys:
+        y.fill_(float("nan"))
+    rt.step()
+    rt.check()
+    for w, x, y in zip(ws, xs, ys):
+        assert wl.rel_err(y, x.float() @ w.float().T) < 2e-2, (y.shape, y.dtype)
