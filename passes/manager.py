@@ -34,7 +34,7 @@ PassFn = Callable[[Program], bool]
 PASSES: dict[str, PassFn] = {}
 
 PIPELINES: dict[str, list[str]] = {
-    "default": ["canonicalize", "fuse", "shard", "tile", "overlap", "schedule", "prefetch"],
+    "default": ["canonicalize", "fuse", "shard", "tile", "split_reduce", "overlap", "schedule", "prefetch"],
     "graph": ["canonicalize", "fuse", "shard"],
     "none": [],
 }
