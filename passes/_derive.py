@@ -638,8 +638,8 @@ class Derived:
             x = tuple((0, b - a) for a, b in win)
             if len(comm) != 1 or ctx.shape.get(comm[0]) != (G,) + tuple(b for _, b in x):
                 return [_v("S4", t.id, f"the collective's task over window {_bs(win)} names comm buffers "
-                                       f"{', '.join('%' + c for c in comm) or 'none'}, not one of shape "
-                                       f"[{G}, {', '.join(str(b) for _, b in x)}]")]
+                                       f"{', '.join('%' + c for c in comm) or 'none'}, not its one slots "
+                                       f"buffer of shape [{G}, {', '.join(str(b) for _, b in x)}]")]
             slots = comm[0]
         local = any(i.kind is InstrKind.STORE and i.region.tensor == y for i in ins)
         comm_st = [i.region for i in ins if i.kind is InstrKind.STORE and ctx.kind.get(ctx.storage[i.region.tensor]) is Kind.comm]

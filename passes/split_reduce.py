@@ -84,7 +84,7 @@ def run(prog: Program) -> bool:
         log(prog.opts, "overlap", f"split_reduce: %{y} split into {len(parts)} all-reduces over columns "
             f"{', '.join(f'[{a}:{b}]' for _, (a, b) in parts)} ({prod.name}: "
             f"{' + '.join(str(len(ids)) for ids, _ in parts)} tasks)")
-    if gone:
+    if changed:
         _renumber(s, gone)
     return changed
 
@@ -239,15 +239,16 @@ def _task(s, old: Task | None, body: str, ops, tile, instrs, cost) -> Task:
 
 
 def _renumber(s, gone: set[int]) -> None:
-    """Drop the replaced tasks; ids are positions again (only the families name them yet)."""
-    new = {}
-    kept = []
-    for t in s.tasks:
-        if t.id in gone:
-            continue
-        new[t.id] = len(kept)
-        t.id = len(kept)
-        kept.append(t)
+    """Drop the replaced tasks and number the rest in family order (each family's tasks a
+    contiguous range, as the tile pass leaves them); ids are positions again (only the families
+    name them yet)."""
+    order = [tid for f in s.families for tid in f.task_ids]
+    listed = set(order)
+    order += [t.id for t in s.tasks if t.id not in listed and t.id not in gone]
+    new = {old: i for i, old in enumerate(order)}
+    kept = [s.tasks[old] for old in order]
+    for i, t in enumerate(kept):
+        t.id = i
     s.tasks = kept
     for f in s.families:
         f.task_ids = [new[i] for i in f.task_ids]
