@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=positive_int, default=1,
                    help="sequences per decode step (binds B) for the schedule and the summary (default 1)")
     c.add_argument("--max-len", type=positive_int, default=4096, help="cache capacity (binds L; default 4096)")
-    c.add_argument("--passes", default="default", help="pipeline (default: all passes; graph: up to shard; none) or a comma list of passes")
+    c.add_argument("--passes", default="default", help="pipeline (default: all passes; graph: up to shard; none), a comma list of passes, "
+                   "or -name,...: the default without those (-split_reduce: all-reduces whole)")
     c.add_argument("--print-ir-after-all", action="store_true", help="print the program after every pass")
     c.add_argument("--dump-dir", help="write every stage as re-parsable text here")
     c.add_argument("--schedule", default="gz", choices=["gz", "text"],
@@ -98,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ranks", type=positive_int, action="append", help="rank counts (repeatable; default 8,16,64,72)")
     s.add_argument("--gpu", default="h200", choices=["h200", "gb300"], help="GPU to model (default h200)")
     s.add_argument("--batch", type=positive_int, action="append", help="batch sizes (repeatable; default 1, 8)")
+    s.add_argument("--split", default="on", choices=["on", "off", "both"],
+                   help="split_reduce (all-reduces cut into column parts): on (default), off, or both rows")
 
     k = sub.add_parser("configs", help="list the named configs of a model file")
     k.add_argument("model", help="model file (models/kimi_k3.py) or model name")
@@ -236,8 +239,9 @@ def cmd_simulate(args) -> int:
     from fusec.loader import load_graph, parse_overrides
     from fusec.simulate import format_table, simulate
     g, _ = load_graph(args.model, args.config, parse_overrides(args.set))
-    rows = [simulate(g, ranks=r, gpu=args.gpu, batch=b) for r in (args.ranks or [8, 16, 64, 72])
-            for b in (args.batch or [1, 8])]
+    splits = {"on": [True], "off": [False], "both": [True, False]}[args.split]
+    rows = [simulate(g, ranks=r, gpu=args.gpu, batch=b, split=sp) for r in (args.ranks or [8, 16, 64, 72])
+            for b in (args.batch or [1, 8]) for sp in splits]
     print(format_table(rows))
     return 0
 

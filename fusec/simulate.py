@@ -10,6 +10,11 @@ mixers run tp-way tensor parallel in R / tp replica groups (tp = the largest div
 dividing the 96 heads: 8 -> 8, 16 -> 16, 64 -> 32, 72 -> 24) and the experts ep-way expert
 parallel (ep = gcd(R, 896): 64 -> 64, 72 -> 8, replicated R / ep times). `tp` and `ep` are
 reported. Inputs and parameters are written down in docs/simulation.md.
+
+Exposed communication (`exposed_comm_us`): the time in the predicted step during which some
+collective task (a push or a local reduce/gather) runs and no other task does, i.e. what the
+collectives add that no compute hides. `split=False` leaves the `split_reduce` pass out
+(every all-reduce whole) so the two can be compared.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from fusec.stats import graph_stats
 from fusec.ir.graph import Graph
 from fusec.ir.registry import Trait
 
-PIPE = ["canonicalize", "fuse", "shard", "tile", "overlap", "schedule"]
+PIPE = ["canonicalize", "fuse", "shard", "tile", "split_reduce", "overlap", "schedule"]
 
 
 @dataclass
@@ -36,6 +41,8 @@ class SimResult:
     tasks: int
     collectives: int
     note: str = ""
+    exposed_comm_us: float = 0.0  # collective tasks running while no other task runs
+    split: bool = True            # split_reduce ran
 
     @property
     def tokens_per_s_per_user(self) -> float:
@@ -47,29 +54,55 @@ class SimResult:
 
 
 def simulate(model_graph: Graph, ranks: int, gpu: str = "h200", batch: int = 1,
-             max_len: int = 4096, tp: int | None = None, ep: int | None = None) -> SimResult:
-    """`tp` / `ep`: smaller parallel degrees than the shard pass plans (None: the plan's)."""
+             max_len: int = 4096, tp: int | None = None, ep: int | None = None, split: bool = True) -> SimResult:
+    """`tp` / `ep`: smaller parallel degrees than the shard pass plans (None: the plan's);
+    `split`: run `split_reduce` (all-reduces cut into column parts)."""
     from fusec.passes.manager import Program, run_pipeline
     spec = gpu_spec(gpu)
     opts = Options(ranks=ranks, batch=batch, max_len=max_len, gpu=gpu, verify_each_pass=False)   # SMs: the gpu's
     prog = Program(model_graph.copy(), opts)
     prog.notes["shard_degrees"] = {k: v for k, v in (("tp", tp), ("ep", ep)) if v is not None}
-    run_pipeline(prog, PIPE)
+    run_pipeline(prog, PIPE if split else [p for p in PIPE if p != "split_reduce"])
     s = prog.schedule
     st = graph_stats(prog.graph, opts.dims)
     coll = sum(1 for op in prog.graph.ops if Trait.collective in op.opdef.traits)
     plan = prog.notes.get("shard", {"tp": 1, "ep": 1})
     note = "" if plan["tp"] == ranks else f"{ranks // plan['tp']} replica groups of tp = {plan['tp']}"
     return SimResult(gpu, ranks, plan["tp"], plan["ep"], batch, float(s.meta["predicted_step_us"]),
-                     st.roofline_us(spec), len(s.tasks), coll, note)
+                     st.roofline_us(spec), len(s.tasks), coll, note, exposed_comm_us(s), split)
+
+
+def exposed_comm_us(s) -> float:
+    """Time of the predicted step (`fusec.trace.task_times`: the list scheduler's replay) during
+    which a collective family's task runs and no other family's task does."""
+    from fusec.trace import task_times
+    comm = {tid for f in s.families if f.collective for tid in f.task_ids}
+    ev = []
+    for tid, (a, b) in task_times(s).items():
+        if b > a:
+            c = tid in comm
+            ev += [(a, 1, c), (b, -1, c)]
+    ev.sort(key=lambda e: (e[0], e[1]))
+    out, n_comm, n_other, last = 0.0, 0, 0, 0.0
+    for t, d, c in ev:
+        if n_comm and not n_other:
+            out += t - last
+        last = t
+        if c:
+            n_comm += d
+        else:
+            n_other += d
+    return out
 
 
 def format_table(rows: list[SimResult]) -> str:
     """The markdown table of docs/simulation.md."""
-    out = ["| GPU | R | tp | ep | batch | step (ms) | per-rank roofline (ms) | tok/s per user | tok/s total | collectives |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| GPU | R | tp | ep | batch | split | step (ms) | exposed comm (ms) | per-rank roofline (ms) | "
+           "tok/s per user | tok/s total | collectives |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.gpu} | {r.ranks} | {r.tp} | {r.ep} | {r.batch} | {r.step_us / 1e3:.2f} | "
+        out.append(f"| {r.gpu} | {r.ranks} | {r.tp} | {r.ep} | {r.batch} | {'on' if r.split else 'off'} | "
+                   f"{r.step_us / 1e3:.2f} | {r.exposed_comm_us / 1e3:.3f} | "
                    f"{r.roofline_us / 1e3:.2f} | {r.tokens_per_s_per_user:.0f} | {r.tokens_per_s:.0f} | "
                    f"{r.collectives} |")
     return "\n".join(out)

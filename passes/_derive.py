@@ -337,7 +337,7 @@ class Derived:
         if isinstance(fam, str):
             return None, None, {}, False, fam
         if fam[0] == "coll":
-            return fam[1]
+            return self._coll_window(t, fam[1])
         _, anchor, pro_loads, pro_boxes, per_op, stored, last_fb, _ = fam
         ctx = self.ctx
         st = ctx.storage
@@ -605,15 +605,42 @@ class Derived:
         except (TypeError, ValueError):
             return False
 
-    def _slots(self, t, slots: str, op) -> list:
+    def _coll_window(self, t, derived):
+        """A collective's task over a column window of its operand (passes/split_reduce.py): the
+        local task's tile is the window of y it stores, a push task's tile its slot, then the
+        window it moves. Such a task reads and writes that window only; its slots are those of
+        its own comm buffer [G, window] (`_slots`). Any other tile: the whole collective."""
+        tile = t.tile
+        o = self.ctx.producer[t.ops[0]]
+        x, y = o.inputs[0].name, o.outputs[0].name
+        fx = self.ctx.fb[x]
+        if len(o.inputs) != 1 or self.ctx.fb[y] != fx or Trait.columnwise not in o.opdef.traits:
+            return derived
+        win = tuple(tile[1:]) if len(tile) == len(fx) + 1 else tuple(tile)
+        if win == fx or len(win) != len(fx) or not all(0 <= a < b <= n for (a, b), (_, n) in zip(win, fx)):
+            return derived
+        st = self.ctx.storage
+        return {st[x]: [win]}, {st[y]: [win]}, derived[2], (None, o, win), derived[4]
+
+    def _slots(self, t, slots: str | None, op, win=None) -> list:
         """A lowered collective: the local task (it stores the result) loads slots 1..G-1 of its
         own `<y>.slots`; a push task of in-group offset d (its tile [d:d+1]) stores exactly slot d
-        of the peer d * stride ranks ahead (passes/_collectives.py)."""
+        of the peer d * stride ranks ahead (passes/_collectives.py). A task over a column window
+        `win` (passes/split_reduce.py; `slots` None) does the same on the one comm buffer it
+        names, which must be [G, window]."""
         ctx, s = self.ctx, self.s
         G, S, R = op.attrs.get("ranks", 1), op.attrs.get("stride", 1), s.ranks
         y = ctx.storage[op.outputs[0].name]
         x = ctx.fb[op.inputs[0].name]
         ins = [i for i in t.instrs if i.kind in (InstrKind.LOAD, InstrKind.STORE)]
+        if win is not None:
+            comm = sorted({i.region.tensor for i in ins if ctx.kind.get(ctx.storage.get(i.region.tensor)) is Kind.comm})
+            x = tuple((0, b - a) for a, b in win)
+            if len(comm) != 1 or ctx.shape.get(comm[0]) != (G,) + tuple(b for _, b in x):
+                return [_v("S4", t.id, f"the collective's task over window {_bs(win)} names comm buffers "
+                                       f"{', '.join('%' + c for c in comm) or 'none'}, not its one slots "
+                                       f"buffer of shape [{G}, {', '.join(str(b) for _, b in x)}]")]
+            slots = comm[0]
         local = any(i.kind is InstrKind.STORE and i.region.tensor == y for i in ins)
         comm_st = [i.region for i in ins if i.kind is InstrKind.STORE and ctx.kind.get(ctx.storage[i.region.tensor]) is Kind.comm]
         if local:
@@ -627,6 +654,8 @@ class Derived:
                            _rs(comm_st[0]))]
             return []
         tile = tuple(t.tile)
+        if win is not None and tile[1:] == win:
+            tile = tile[:1]
         if len(tile) != 1 or not 1 <= tile[0][0] < G or tile[0][1] != tile[0][0] + 1:
             return [_v("S4", t.id, f"push task of %{y} has tile {_bs(tile)}, not one slot 1..{G - 1}")]
         d = tile[0][0]

@@ -355,10 +355,12 @@ def op_box_rule(o: Op):
     return same_box
 
 
-def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
+def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi, tiles=None) -> Unit:
+    """The unit's tasks, cut by `_tile_boxes` (or into `tiles`, boxes of the anchor's output)."""
     ops = pro + core + epi
     members = {id(o) for o in ops}
-    tiles, body = _tile_boxes(ctx, anchor, core + epi if anchor is not None else core, epi)
+    own, body = _tile_boxes(ctx, anchor, core + epi if anchor is not None else core, epi)
+    tiles = own if tiles is None else tiles
     unit = Unit(name, ops, body)
     produced_here = {v.name for o in ops for v in o.outputs}
     stored = [v for o in ops for v in o.outputs
@@ -481,6 +483,57 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi) -> Unit:
     unit.reads = {v.name for o in ops for v in o.inputs if v.name not in produced_here}
     unit.writes = {v.name for v in stored}
     return unit
+
+
+class Retiler:
+    """Re-cuts families the tile pass made (for `split_reduce`); one context for the graph."""
+
+    def __init__(self, g: Graph, dims, opts):
+        self.ctx = _Ctx(g, dims, opts, lambda m: None)
+        self.groups: dict[str, list[Op]] = {}
+        for o in g.ops:
+            if o.group:
+                self.groups.setdefault(o.group, []).append(o)
+        self.first = {o.outputs[0].name: o for o in g.ops}
+
+    def columns(self, op_names: tuple, name: str, windows: int):
+        """The family computing `op_names` (a GEMV anchor tiled along its output columns, with
+        its prologue and epilogues) re-cut as `windows` column windows of about equal width,
+        each tiled on its own as if it were the whole GEMV (its share of the weight bytes, at
+        most one task per SM), so the windows can run one after another at full width. Returns
+        (windows [(c0, c1)] of the anchor, new tasks per window) or why it cannot; the tasks'
+        ids continue this Retiler's count from 0 (the caller renumbers them)."""
+        ctx = self.ctx
+        want = set(op_names)
+        first = self.first[op_names[0]]
+        group = self.groups[first.group] if first.group else [first]
+        match = [p for p in _partition(ctx, group) if {o.outputs[0].name for o in p[0] + p[1] + p[3]} == want]
+        if len(match) != 1:
+            return "its ops are not one unit of the tile pass"
+        pro, core, anchor, epi = match[0]
+        if anchor is None or anchor.opdef.tiling is not Tiling.columns or anchor.opdef.split_rows \
+                or anchor.opdef.min_tasks is not None:
+            return "it has no GEMV anchor tiled along its output columns"
+        s = ctx.shape[anchor.outputs[0].name]
+        fb = full_box(s)
+        rules = _cut_rules(ctx, anchor, epi)
+        cuts = _cuts(s[-1], windows, tuple(rules))
+        if len(cuts) < windows:
+            return f"output too narrow to split: {s[-1]} columns give {len(cuts)} window(s) on its tile boundaries"
+        w = sum(ctx.nbytes(v, ctx.fb[v.name]) for o in core + epi for v in o.inputs
+                if ctx.kind[v.name] is Kind.weight)
+        per = []
+        for c0, c1 in cuts:
+            n = min(ctx.sms, max(1, math.ceil(w * (c1 - c0) / s[-1] / MIN_TASK_BYTES)))
+            shifted = tuple((a - c0, b - c0, st) for a, b, st in rules)
+            per.append([fb[:-1] + ((c0 + a, c0 + b),) for a, b in _cuts(c1 - c0, n, shifted)])
+        start = len(ctx.tasks)
+        _emit_unit(ctx, name, pro, core, anchor, epi, tiles=[t for p in per for t in p])
+        out, i = [], start
+        for p in per:
+            out.append(ctx.tasks[i:i + len(p)])
+            i += len(p)
+        return cuts, out
 
 
 def build_units(g: Graph, dims, opts, logf):

@@ -34,7 +34,7 @@ PassFn = Callable[[Program], bool]
 PASSES: dict[str, PassFn] = {}
 
 PIPELINES: dict[str, list[str]] = {
-    "default": ["canonicalize", "fuse", "shard", "tile", "overlap", "schedule", "prefetch"],
+    "default": ["canonicalize", "fuse", "shard", "tile", "split_reduce", "overlap", "schedule", "prefetch"],
     "graph": ["canonicalize", "fuse", "shard"],
     "none": [],
 }
@@ -71,10 +71,16 @@ def _all_pass_names() -> list[str]:
 
 
 def parse_pipeline(spec: str) -> list[str]:
-    """`default`, a pipeline name, or a comma list of pass names."""
+    """`default`, a pipeline name, a comma list of pass names, or a comma list of `-name`s: the
+    default pipeline without those passes (`-split_reduce`: every all-reduce whole)."""
     if spec in PIPELINES:
         return list(PIPELINES[spec])
     names = [s.strip() for s in spec.split(",") if s.strip()]
+    if names and all(n.startswith("-") for n in names):
+        drop = {n[1:] for n in names}
+        for n in drop:
+            get_pass(n)
+        return [n for n in PIPELINES["default"] if n not in drop]
     for n in names:
         get_pass(n)
     return names

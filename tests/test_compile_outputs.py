@@ -63,10 +63,10 @@ def test_dump_dir_stages_reparse(tmp_path):
     assert main(["compile", "models/kimi_k3.py", "--config", "tiny", "--max-len", "64", "-o", str(tmp_path / "o"),
                  "--dump-dir", str(dump)]) == 0
     stages = sorted(p.name for p in dump.iterdir())
-    assert stages[0].startswith("00-canonicalize") and stages[-1].startswith("06-prefetch")
-    # from tile on, a stage is the schedule text with its task families (the tile and overlap
-    # stages have no events or queues yet); each reads back to the same text
-    assert [p.split(".")[-1] for p in stages] == ["fir"] * 3 + ["fsched"] * 4
+    assert stages[0].startswith("00-canonicalize") and stages[-1].startswith("07-prefetch")
+    # from tile on, a stage is the schedule text with its task families (the tile, split_reduce
+    # and overlap stages have no events or queues yet); each reads back to the same text
+    assert [p.split(".")[-1] for p in stages] == ["fir"] * 3 + ["fsched"] * 5
     for p in dump.iterdir():
         if p.suffix == ".fir":
             parse_fir_file(p)

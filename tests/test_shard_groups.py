@@ -8,6 +8,8 @@ verification at R = 8, and the full K3 plan at R = 64 and 72 (structure only).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -160,21 +162,26 @@ def test_collective_pushes_reach_only_the_group(k3_tiny_r8_schedule):
     assert {4, 8} <= set(size.values())            # TP groups of 4 and the EP group of 8 both occur
     m = s.materialize()
     writers: dict[tuple, list[int]] = {}
+    parts: dict[str, set] = {}
     for t in m.tasks:
         for i in t.instrs:
             if i.kind is InstrKind.STORE and i.region.tensor.endswith(".slots"):
-                y = i.region.tensor[:-len(".slots")]
+                # `<y>.slots`, or `<y>.part<k>.slots` for part k of an all-reduce split_reduce cut
+                y, part = re.fullmatch(r"(.*?)(\.part\d+)?\.slots", i.region.tensor).groups()
                 peer = i.region.rank
                 assert peer % stride[y] == t.rank % stride[y], f"{y}: rank {t.rank} writes rank {peer}"
                 assert s.buffers[i.region.tensor].shape[0] == size[y]
-                writers.setdefault((y, peer, i.region.box[0]), []).append(t.rank)
+                parts.setdefault(y, set()).add(part)
+                writers.setdefault((y, part, peer, i.region.box[0]), []).append(t.rank)
             if i.kind is InstrKind.SIGNAL and i.peer is not None:
                 assert i.peer != t.rank
     # every peer's slot d (1..g-1) is written by exactly one rank: the member d places behind
+    assert any(p is not None for ps in parts.values() for p in ps)     # split_reduce cut some
     for y, g in size.items():
-        for peer in range(8):
-            for d in range(1, g):
-                assert writers.get((y, peer, (d, d + 1))) == [(peer - d * stride[y]) % 8], (y, peer, d)
+        for part in parts[y]:
+            for peer in range(8):
+                for d in range(1, g):
+                    assert writers.get((y, part, peer, (d, d + 1))) == [(peer - d * stride[y]) % 8], (y, part, peer, d)
 
 
 def _group_allreduce(ranks: int, stride: int):

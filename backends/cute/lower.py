@@ -491,33 +491,44 @@ class _TaskLowering(MixerLowering):
     @lowers('all_reduce', 'all_gather')
     def _lower_collective(self, c: OpCtx):
         """COMM rows (plan.py): the push task of slot d writes x into slot d of the peer's slot
-        buffer; the local task reduces or gathers x and its own slots in group-index order."""
+        buffer; the local task reduces or gathers x and its own slots in group-index order. A
+        collective cut into column windows (passes/split_reduce.py: a push task's tile is its slot
+        and then the window, a local task's tile the window of y) moves columns [c0, c1) through
+        its own slot buffer [G, B, c1 - c0]: its rows address x and y from column c0 on."""
         t, op, view, off = c.t, c.op, c.view, c.off
         g, st = int(op.attrs["ranks"]), int(op.attrs.get("stride", 1))
         x, y = view(c.ins[0]), view(c.out)
-        slots = f"{c.out}.slots"
+        n = x.shape[-1]
+        win = tuple(t.tile[1:]) if t.body_kind == "comm_push" else tuple(t.tile)
+        c0, c1 = (win[-1] if len(win) == len(x.shape) and Trait.columnwise in op.opdef.traits else (0, n))
+        comm = [i.region.tensor for i in t.instrs if i.kind in (InstrKind.LOAD, InstrKind.STORE)
+                and self.s.buffers.get(i.region.tensor) is not None
+                and self.s.buffers[i.region.tensor].kind is Kind.comm]
+        slots = comm[0] if comm else f"{c.out}.slots"
         sv = self.mem.view(slots)
-        if len(x.shape) != 2 or x.strides[-1] != 1 or sv.shape != (g, *x.shape):
-            raise self.error(f"{op.opname} %{c.out}: COMM rows move [B, n] rows with contiguous columns")
+        w = c1 - c0
+        if len(x.shape) != 2 or x.strides[-1] != 1 or sv.shape != (g, x.shape[0], w) or not 0 <= c0 < c1 <= n:
+            raise self.error(f"{op.opname} %{c.out}: COMM rows move [B, n] rows with contiguous columns "
+                             f"(columns {c0}:{c1} of {n} through %{slots} {list(sv.shape)})")
         if op.opname == "all_gather" and int(op.attrs.get("dim", -1)) % 2 != 1:
             raise self.error(f"all_gather %{c.out} along dim {op.attrs.get('dim')}: only the last dim is supported")
         for v in (x, y):
             if v.dtype not in (DType.bf16, DType.f32):
                 raise self.error(f"{op.opname} %{c.out}: COMM rows move bf16 or fp32, not {v.dtype.value}")
-        n = x.shape[-1]
         fl = (int(F32Flag.A0) if x.dtype is DType.f32 else 0) | (int(F32Flag.OUT) if y.dtype is DType.f32 else 0)
         es = itemsize(x.dtype)
+        a0 = off(c.ins[0]) + c0 * es
         if t.body_kind == "comm_push":
             (store,) = [i for i in t.instrs if i.kind is InstrKind.STORE]
             d, p = store.region.box[0][0], store.region.rank
             if store.region.tensor != slots or not p or not 0 < d < g:
                 raise self.error(f"push task {t.id} of %{c.out} stores {store.region.tensor} slot {d} at rank "
                                  f"offset {p}: a peer's slot 1..{g - 1} expected")
-            row = TaskRow(Opcode.COMM, t.id, a0=off(c.ins[0]), a2=off(slots) + d * sv.strides[0] * es,
-                          n0=0, n1=n, ldx=x.row_stride, ldy=n, sub=CommOp.PUSH, p0=p % self.R, p1=fl, p2=g)
+            row = TaskRow(Opcode.COMM, t.id, a0=a0, a2=off(slots) + d * sv.strides[0] * es,
+                          n0=0, n1=w, ldx=x.row_stride, ldy=w, sub=CommOp.PUSH, p0=p % self.R, p1=fl, p2=g)
             return [(row, ("a0", "a2"))]
         sub = CommOp.ALL_REDUCE if op.opname == "all_reduce" else CommOp.ALL_GATHER
-        row = TaskRow(Opcode.COMM, t.id, a0=off(c.ins[0]), a1=off(slots), a2=off(c.out), n0=0, n1=n,
+        row = TaskRow(Opcode.COMM, t.id, a0=a0, a1=off(slots), a2=off(c.out) + c0 * itemsize(y.dtype), n0=0, n1=w,
                       ldx=x.row_stride, ldy=y.row_stride, sub=sub, p1=fl, p2=g, aux=group_index(self.rank, g, st))
         return [(row, ("a0", "a1", "a2"))]
 

@@ -487,8 +487,17 @@ class RandomOrderRunner:
                 if i.region is not None and self.bm.kind.get(self.bm.root[i.region.tensor][0]) is Kind.comm}
         pushed = [self.bm.root[i.region.tensor][0] for i in task.instrs
                   if i.kind is InstrKind.STORE and self.bm.root[i.region.tensor][0] in comm]
+        # a collective cut into column windows (passes/split_reduce.py) moves only its window
+        # through a slot buffer [G, window]: a push task's tile is its slot, then the window; a
+        # local task's tile is the window of the result
+        buf = pushed[0] if pushed else (next(iter(comm)) if len(comm) == 1 else None)
+        win = None
+        if buf is not None and tuple(self.shapes[buf][1:]) != tuple(x.shape):
+            tile = tuple(task.tile)
+            win = tuple(slice(a, b) for a, b in (tile[1:] if len(tile) == x.dim() + 1 else tile))
+        xw = x[win] if win is not None else x
         if pushed:          # the lowering's `<y>.slots` (or a hand-written comm buffer)
-            return {pushed[0]: x.float().unsqueeze(0).expand(self.shapes[pushed[0]][0], *x.shape).clone()}
+            return {pushed[0]: xw.float().unsqueeze(0).expand(self.shapes[pushed[0]][0], *xw.shape).clone()}
         if len(comm) != 1:
             raise ValueError(f"task {task.id}: collective %{op.outputs[0].name} reads {len(comm)} comm "
                              f"buffers, expected its slot buffer")
@@ -502,10 +511,15 @@ class RandomOrderRunner:
         G, S = op.attrs.get("ranks", R), op.attrs.get("stride", 1)
         i = (q // S) % G
         xs = [None] * G
-        xs[i] = x.float()
+        xs[i] = xw.float()
         for d in range(1, G):
             xs[(i - d) % G] = slots[d]
         # what the group's members get is the op's registry entry (OpDef.group_ref); this is member i
         if op.opdef.group_ref is None:
             raise ValueError(f"numeric random-order execution does not model collective {op.opname}")
-        return op.opdef.group_ref(xs, op.attrs)[i]
+        y = op.opdef.group_ref(xs, op.attrs)[i]
+        if win is None:
+            return y
+        full = torch.full(x.shape, float("nan"))      # outside the window: never stored
+        full[win] = y
+        return full

@@ -87,8 +87,10 @@ def _all_gather_group(xs, at):
 
 
 RANKS = {"ranks": Attr(A.int), "stride": Attr(A.int, 1)}
+# columnwise: column c of every member's result is the sum of column c of every member's operand,
+# so the collective can run on column windows on their own (passes/split_reduce.py)
 register(OpDef("all_reduce", ("x",), ("y",), _same, lambda a, at: [a[0].float()], attrs=RANKS,
-               traits=COMM, group_ref=_all_reduce_group, doc="sum over ranks"))
+               traits=COMM | {Trait.columnwise}, group_ref=_all_reduce_group, doc="sum over ranks"))
 register(OpDef("reduce_scatter", ("x",), ("y",), _scatter_infer, lambda a, at: [a[0].float()],
                attrs={**RANKS, "dim": Attr(A.int, -1)}, traits=COMM, group_ref=_reduce_scatter_group,
                doc="sum over ranks, each rank keeps its slice of dim"))
