@@ -23,6 +23,7 @@ class MegakernelTimeout(RuntimeError):
     def __init__(self, info: dict):
         self.info = info
         super().__init__(
+            (f"rank {info['rank']}: " if "rank" in info else "") +
             "megakernel wait timed out: task {task_id} (CTA {cta}, step {step}) waited on event "
             "{event} for counter >= {expected} but saw {seen}; a producer never signalled "
             "(missing signal, wrong threshold or a dead producer)".format(**info))
@@ -46,6 +47,9 @@ class Megakernel:
         self.err = torch.zeros(words, dtype=torch.int32, device=device)
         self.step_buf = torch.zeros(1, dtype=torch.int32, device=device)
         self.steps_launched = 0
+        # R > 1: int64 [R], entry p = the event counters of rank (rank + p) % R as this process
+        # addresses them (set_peers; backends/cute/rank_group.py).
+        self.peers = None
         self.set_tasks(plan)
 
     def sibling(self, plan: KernelPlan) -> "Megakernel":
@@ -59,6 +63,7 @@ class Megakernel:
         mk.err = torch.zeros_like(self.err)
         mk.step_buf = torch.zeros_like(self.step_buf)
         mk.steps_launched = 0
+        mk.peers = None
         mk.set_tasks(plan)
         return mk
 
@@ -77,6 +82,15 @@ class Megakernel:
         self.num_tasks = len(plan.tasks)
         self.plan = plan
 
+    def set_peers(self, peers) -> None:
+        """R > 1: the peers table (int64 [R] on the device, entry p = the event counters of rank
+        (rank + p) % R; entry 0 this kernel's own `events`)."""
+        if self.plan.ranks == 1:
+            raise ValueError("a one-rank kernel has no peers")
+        if peers.numel() != self.plan.ranks or int(peers[0]) != self.events.data_ptr():
+            raise ValueError(f"peers table must have {self.plan.ranks} entries, entry 0 this kernel's events")
+        self.peers = peers
+
     def _args(self):
         return (self.table.data_ptr(), self.queues.data_ptr(), self.events.data_ptr(),
                 self.err.data_ptr(), self.step_buf.data_ptr(), max(1, self.num_tasks))
@@ -89,6 +103,12 @@ class Megakernel:
 
         t, q, e, r, s, n = self._args()
         stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        if self.plan.ranks > 1:
+            if self.peers is None:
+                raise ValueError(f"rank {self.plan.rank} of {self.plan.ranks}: set_peers before launching")
+            self.compiled(Int64(t), Int64(q), Int64(e), Int64(r), Int64(s), Int32(n), Int64(self.peers.data_ptr()),
+                          stream)
+            return
         self.compiled(Int64(t), Int64(q), Int64(e), Int64(r), Int64(s), Int32(n), stream)
 
     def step(self) -> None:
@@ -122,6 +142,8 @@ class Megakernel:
         """Raise MegakernelTimeout if any wait expired since the last reset_error()."""
         info = self.error()
         if info is not None:
+            if self.plan.ranks > 1:
+                info["rank"] = self.plan.rank
             raise MegakernelTimeout(info)
 
     def reset_error(self) -> None:
