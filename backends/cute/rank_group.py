@@ -63,6 +63,8 @@ class RankGroup:
         for r, k in enumerate(self.kernels):
             k.set_peers(torch.tensor([self.kernels[(r + p) % R].events.data_ptr() for p in range(R)],
                                      dtype=torch.int64, device=device))
+        for k in self.kernels:
+            k.warm()
         self.streams = [torch.cuda.Stream(device) for _ in range(R)]
         self.state_names = [v.name for v in g.params if v.type.kind.value == "state"]
         self.out_names = [v.name for v in g.outputs]

@@ -111,6 +111,21 @@ class Megakernel:
             return
         self.compiled(Int64(t), Int64(q), Int64(e), Int64(r), Int64(s), Int32(n), stream)
 
+    def warm(self) -> None:
+        """One launch in which no CTA runs a task (every queue empty), then a sync: CUDA loads a
+        kernel's module at its first launch (lazy loading), and a kernel loaded while another
+        one spins on its signals can stall them both (CUDA's lazy-loading notes); ranks that
+        wait on each other inside their kernels are warmed before their first step."""
+        import torch
+
+        queues = self.queues
+        self.queues = torch.zeros_like(queues)
+        try:
+            self.launch()
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.queues = queues
+
     def step(self) -> None:
         """Advance the step counter on the device and run one decode step."""
         self.step_buf.add_(1)

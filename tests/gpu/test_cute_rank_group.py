@@ -85,7 +85,9 @@ def test_ranks_on_one_gpu_match_reference(module, batch, tol, passes):
 
 
 @pytest.mark.xfail(strict=True, reason="seen on the H200 (stop 14): rank 0 timed out at step 1 waiting for rank 1's "
-                   "first arrival (counter 0) when rank 1 runs its own compile with delay injection; not diagnosed")
+                   "first arrival (counter 0) when rank 1 runs its own compile with delay injection. Suspected: "
+                   "CUDA lazily loading rank 1's module while rank 0 spins; RankGroup now warms every kernel "
+                   "first (Megakernel.warm), not yet run on a GPU: strict, so a pass shows up")
 def test_delay_on_one_rank_gives_the_same_logits():
     """Rank 1's producers sleep before their bodies (late, reshuffled): a missing wait on a peer's
     data would read stale bytes; the logits equal the undelayed run's bit for bit."""
