@@ -364,3 +364,36 @@ def test_slice4_rank_tables_pass_the_table_verifier():
     for low in lows:
         low.plan(base=0)                      # raises TableVerifyError on any violation
     assert any(n.startswith("scratch.t") and n.endswith("latent_norm") for n in lows[0].memory.regions)
+
+
+def test_multi_rank_reference_hooks():
+    """run_step_ranks(hooks=...): rank r's hook sees each of its non-collective ops once and may
+    replace the results (how a kernel's near-tied expert choices are followed, RouteAlign):
+    identity hooks change nothing; forcing other expert ids changes the logits."""
+    g, prog, _ = _lowered(kimi_k3, 2, 1)
+    pg, dims = prog.graph, {"B": 1, "L": L}
+    full = random_weights(g, 0, kimi_k3.WEIGHT_INIT)
+    inputs = {"tokens": torch.tensor([3], dtype=torch.int32), "pos": torch.tensor([0], dtype=torch.int32)}
+    st = init_state(g, dims, precision="bf16")
+    plain, _ = run_step_ranks(pg, full, 2, st, inputs, dims, "bf16")
+    seen = [[], []]
+
+    def ident(r):
+        def hook(op, ins, outs):
+            seen[r].append(op.outputs[0].name)
+            return outs
+        return hook
+    same, _ = run_step_ranks(pg, full, 2, st, inputs, dims, "bf16", hooks=[ident(0), ident(1)])
+    ops = [op.outputs[0].name for op in pg.ops if "collective" not in {t.name for t in op.opdef.traits}]
+    assert seen[0] == ops and seen[1] == ops
+    assert all(torch.equal(a, b) for r in range(2) for a, b in zip(plain[r], same[r]))
+
+    def shifted(op, ins, outs):
+        route = op.opdef.route
+        if route is None:
+            return outs
+        out = list(outs)
+        out[route.ids] = (outs[route.ids] + 1) % route.scores(list(ins), op.attrs).shape[-1]
+        return out
+    moved, _ = run_step_ranks(pg, full, 2, st, inputs, dims, "bf16", hooks=[shifted, shifted])
+    assert not torch.equal(moved[0][0], plain[0][0])

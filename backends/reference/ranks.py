@@ -150,12 +150,13 @@ def _group_collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.
 
 def run_step_ranks(graph: Graph, full_weights: Mapping, ranks: int, full_state: dict,
                    inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
-                   precision: str = "fp32") -> tuple[list[list[torch.Tensor]], dict]:
+                   precision: str = "fp32", hooks=None) -> tuple[list[list[torch.Tensor]], dict]:
     """One decode step of the SPMD graph on `ranks` simulated ranks.
 
     `full_weights` and `full_state` are unsharded (keyed by the full names the annotations cite);
     returns (outputs of every rank, the full state after the step, gathered from the ranks).
-    `full_state` is not mutated.
+    `full_state` is not mutated. `hooks[r]`: rank r's executor hook (op, inputs, outputs) ->
+    outputs, e.g. fusec.debug.bisect.RouteAlign over that rank's kernel arena.
     """
     weights = [materialize_weights(graph, full_weights, r, precision) for r in range(ranks)]
     states = [shard_state(graph, full_state, r) for r in range(ranks)]
@@ -179,8 +180,11 @@ def run_step_ranks(graph: Graph, full_weights: Mapping, ranks: int, full_state: 
                 envs[r][op.outputs[0].name] = store(outs[r], op.outputs[0].type, precision)
             continue
         for r in range(ranks):
+            ins = [envs[r][v.name] for v in op.inputs]
             with as_rank(r):
-                outs = op.opdef.ref([envs[r][v.name] for v in op.inputs], op.attrs)
+                outs = op.opdef.ref(ins, op.attrs)
+            if hooks is not None:
+                outs = hooks[r](op, ins, outs)
             for v, t in zip(op.outputs, outs):
                 envs[r][v.name] = store(t, v.type, precision)
     new_states = [{name: envs[r][v.name] for name, v in graph.updates.items()} for r in range(ranks)]
