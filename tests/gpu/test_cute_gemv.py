@@ -84,43 +84,12 @@ def test_graph_replay_advances_steps():
 
 
 
-@pytest.mark.parametrize("batch", [2, 9, 16])
-def test_gemv_mma_shapes(batch):
-    """The tensor-core GEMV_BF16 body on awkward shapes: long K split inside the CTA (7168), K of
-    three 32-column chunks (96), row counts that leave partial tiles, one empty task; bf16 and
-    fp32 outputs."""
-    cases = [(200, 7168, 3), (37, 96, 2), (129, 1280, 5)]
+def _gemv_cases(batch, cases, f32_case):
+    """Weights, inputs, NaN-filled outputs and GEMV_BF16 rows of `cases` [(rows, K, tasks)];
+    case `f32_case` writes fp32 (F32Flag.OUT), the others bf16."""
     ws = [_rand(n, k, scale=0.05) for n, k, _ in cases]
     xs = [_rand(batch, k) for _, k, _ in cases]
-    ys = [torch.empty(batch, n, device="cuda", dtype=dt) for (n, _, _), dt in zip(cases, (BF, torch.float32, BF))]
-    tasks, tid = [], 0
-    for (n, k, tiles), w, x, y in zip(cases, ws, xs, ys):
-        rows = wl.gemv_tasks(w, x, y, tiles, tid)
-        if y.dtype == torch.float32:
-            rows = [dataclasses.replace(r, p1=int(F32Flag.OUT)) for r in rows]
-        tasks += rows
-        tid += tiles
-    tasks.append(dataclasses.replace(tasks[0], task_id=tid, n0=5, n1=5))   # empty: stores nothing
-    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 6), num_events=1,
-                      batch=batch, gemv="mma", name=f"t_mma_b{batch}")
-    rt = Megakernel(plan)
-    for y in ys:
-        y.fill_(float("nan"))
-    rt.step()
-    rt.check()
-    for w, x, y in zip(ws, xs, ys):
-        assert wl.rel_err(y, x.float() @ w.float().T) < 2e-2, (y.shape, y.dtype)
-
-
-@pytest.mark.parametrize("batch,rows_per_warp", [(1, 1), (1, 2), (4, 1)])
-def test_gemv_simt_shapes(batch, rows_per_warp):
-    """The CUDA-core GEMV_BF16 body on K of fewer than 32 vectors per row (8, 40, 128: several
-    rows per warp load, shuffles inside a row's lanes), K with a rest past the unrolled loop
-    (512, 1544), row counts that leave partial groups; bf16 and fp32 outputs."""
-    cases = [(70, 8, 2), (33, 40, 1), (1300, 128, 3), (150, 512, 2), (90, 1544, 3)]
-    ws = [_rand(n, k, scale=0.05) for n, k, _ in cases]
-    xs = [_rand(batch, k) for _, k, _ in cases]
-    ys = [torch.empty(batch, n, device="cuda", dtype=torch.float32 if i == 2 else BF)
+    ys = [torch.full((batch, n), float("nan"), device="cuda", dtype=torch.float32 if i == f32_case else BF)
           for i, (n, _, _) in enumerate(cases)]
     tasks, tid = [], 0
     for (n, k, parts), w, x, y in zip(cases, ws, xs, ys):
@@ -129,12 +98,35 @@ def test_gemv_simt_shapes(batch, rows_per_warp):
             rows = [dataclasses.replace(r, p1=int(F32Flag.OUT)) for r in rows]
         tasks += rows
         tid += parts
-    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 5), num_events=1, batch=batch,
-                      threads=256, gemv="simt", rows_per_warp=rows_per_warp, name=f"t_simt_b{batch}_r{rows_per_warp}")
+    return ws, xs, ys, tasks
+
+
+def _step_and_check(plan, ws, xs, ys):
     rt = Megakernel(plan)
-    for y in ys:
-        y.fill_(float("nan"))
     rt.step()
     rt.check()
     for w, x, y in zip(ws, xs, ys):
         assert wl.rel_err(y, x.float() @ w.float().T) < 2e-2, (y.shape, y.dtype)
+
+
+@pytest.mark.parametrize("batch", [2, 9, 16])
+def test_gemv_mma_shapes(batch):
+    """The tensor-core GEMV_BF16 body on awkward shapes: long K split inside the CTA (7168), K of
+    three 32-column chunks (96), row counts that leave partial tiles, one empty task; bf16 and
+    fp32 outputs."""
+    ws, xs, ys, tasks = _gemv_cases(batch, [(200, 7168, 3), (37, 96, 2), (129, 1280, 5)], 1)
+    tasks.append(dataclasses.replace(tasks[0], task_id=len(tasks), n0=5, n1=5))   # empty: stores nothing
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 6), num_events=1,
+                      batch=batch, gemv="mma", name=f"t_mma_b{batch}")
+    _step_and_check(plan, ws, xs, ys)
+
+
+@pytest.mark.parametrize("batch,rows_per_warp", [(1, 1), (1, 2), (4, 1)])
+def test_gemv_simt_shapes(batch, rows_per_warp):
+    """The CUDA-core GEMV_BF16 body on K of fewer than 32 vectors per row (8, 40, 128: several
+    rows per warp load, shuffles inside a row's lanes), K with a rest past the unrolled loop
+    (512, 1544), row counts that leave partial groups; bf16 and fp32 outputs."""
+    ws, xs, ys, tasks = _gemv_cases(batch, [(70, 8, 2), (33, 40, 1), (1300, 128, 3), (150, 512, 2), (90, 1544, 3)], 2)
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 5), num_events=1, batch=batch,
+                      threads=256, gemv="simt", rows_per_warp=rows_per_warp, name=f"t_simt_b{batch}_r{rows_per_warp}")
+    _step_and_check(plan, ws, xs, ys)
