@@ -394,8 +394,9 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi, tiles=None) -> Unit
             src = ab.get(i) if ab else None
             if src is None:
                 ext.append((i, v.name, None, None))
-            else:   # expert parallel: a slot's expert is on this rank with odds 1 / ep_ranks
-                ext.append((i, v.name, ctx.storage[o.inputs[src].name], 1.0 / o.attrs.get("ep_ranks", 1)))
+            else:   # addressed by router ids (operand src); expert parallel: a slot's expert is
+                # on this rank with odds 1 / ep_ranks
+                ext.append((i, v.name, (ctx.storage[o.inputs[src].name], src), 1.0 / o.attrs.get("ep_ranks", 1)))
         tiled_ops.append([o, None if o is anchor or anchor is None else op_box_rule(o),
                           costs[id(o)].flops / max(1, ctx.numel[o.outputs[0].name]),
                           ext, o.outputs[0].name if len(o.outputs) == 1 else None, None, None])
@@ -410,6 +411,7 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi, tiles=None) -> Unit
         loads = dict(pro_loads)
         addr: dict[str, str] = {}
         epf: dict[str, float] = {}
+        pairs: dict[str, int] = {}      # addressed weight -> (token, slot) pairs the tile routes
         flops = 0.0
         for rec in tiled_ops:
             o, box_rule, fpe, ext, single, in_rule, out_rule_ = rec
@@ -432,8 +434,12 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi, tiles=None) -> Unit
                 old = loads.get(vn)
                 loads[vn] = bx if old is None or old == bx else box_hull(old, bx)
                 if a is not None:
-                    addr[vn] = a
+                    addr[vn] = a[0]
                     epf[vn] = e
+                    n_pairs = 1
+                    for lo, hi in ins[a[1]]:
+                        n_pairs *= hi - lo
+                    pairs[vn] = max(pairs.get(vn, 0), n_pairs)
             if single is not None:
                 boxes[single] = ob
             else:
@@ -448,14 +454,20 @@ def _emit_unit(ctx: _Ctx, name: str, pro, core, anchor, epi, tiles=None) -> Unit
         instrs, nbytes = [], 0.0
         for vn, box in loads.items():
             a = addr.get(vn)
-            key = (vn, box, a)
+            key = (vn, box, a, pairs.get(vn))
             hit = memo.get(key)
             if hit is None:
                 nb = bpe[vn]                     # ctx.nbytes(vn, box)
                 for lo, hi in box:
                     nb *= hi - lo
-                if a is not None and kinds[vn] is weight:   # one expert's rows of the box
-                    nb *= epf.get(vn, 1.0) / shape[vn][0]
+                if a is not None and kinds[vn] is weight:
+                    # The box holds the tile's rows of every expert of this rank; the tile reads
+                    # those of the distinct experts its pairs route to: with ids uniform over the
+                    # E = local experts / odds of all ranks, each expert is hit with probability
+                    # 1 - (1 - 1/E)^pairs. (One expert's rows was right when a task held one
+                    # pair; since a task streams every pair's expert (Tiling.experts) that
+                    # undercounted expert bytes 16x at batch 1 on K3.)
+                    nb *= 1.0 - (1.0 - epf.get(vn, 1.0) / shape[vn][0]) ** pairs[vn]
                 hit = memo[key] = (mem_instr(LOAD, Region(storage[vn], intern(box, box)), a), nb)   # = Instr(...)
             instrs.append(hit[0])
             nbytes += hit[1]
