@@ -209,6 +209,32 @@ def test_predicted_step_time_consistent_with_bandwidth(tiny):
     assert st.active_params < st.params
 
 
+def test_expert_tasks_are_charged_their_distinct_experts(tiny):
+    """A routed-expert task streams its rows of every distinct expert its (token, slot) pairs
+    chose: with ids uniform over E experts, 1 - (1 - 1/E)^pairs of the region's rows. Its
+    predicted time must cover at least those bytes at its SM's share of HBM (charging one
+    expert's rows, as the cost model did until stop 14, fails this by ~3.8x on tiny K3)."""
+    from fusec.passes.cost import TASK_OVERHEAD_US
+    s = tiny.schedule
+    spec = GPUS["h200"]
+    types = _types(s)
+    n = 0
+    for t in s.tasks:
+        if t.body_kind not in ("moe_gate_up", "moe_down"):
+            continue
+        pairs = (t.tile[0][1] - t.tile[0][0]) * (t.tile[1][1] - t.tile[1][0])   # tile: (batch rows, slots, rows)
+        need = 0.0
+        for i in t.loads():
+            ty = types[i.region.tensor]
+            if i.addressed_by and ty.kind is Kind.weight:
+                e = ty.concrete(s.dims)[0]
+                need += math.prod(b - a for a, b in i.region.box) * ty.dtype.bits / 8 * (1 - (1 - 1 / e) ** pairs)
+        assert need > 0
+        assert t.cost_us >= TASK_OVERHEAD_US + need / (spec.hbm_bw / s.sms) * 1e6 * (1 - 1e-9), (t.id, t.cost_us)
+        n += 1
+    assert n > 0
+
+
 def test_big_gemv_uses_every_sm():
     b = GraphBuilder("g", dims=("B",))
     x = b.io("x", ["B", 7168], DType.bf16)
