@@ -168,3 +168,48 @@ def test_fusec_run_ranks_refuses_multicast_on(capsys, monkeypatch):
     assert main(["run", "models/llama.py", "--config", "tiny", "--ranks", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fusec: error: TORCH_SYMM_MEM_DISABLE_MULTICAST=0 would allow NVLink multicast"), err
+
+
+class _Handle:
+    """A symmetric-memory handle's addresses (torch.distributed._symmetric_memory.rendezvous)."""
+
+    def __init__(self, rank, ptrs):
+        self.rank, self.world_size, self.buffer_ptrs = rank, len(ptrs), ptrs
+
+
+class _At:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def test_rank_plans_from_symmetric_addresses():
+    """backends/cute/dist.py without a GPU, K3 tiny at 4 ranks (peers at offsets 1, 2 and 3): each rank's table relocated
+    with the addresses its process sees (the peers' arenas at other bases in every process; a
+    tensor at an offset in its allocation), checked by `Lowered.plan`; every push lands in the
+    arena of rank (r + p) % R; one kernel source for every rank (the one tests/test_cute_ranks.py
+    compiles and audits for Llama's rank 0); the peers table by rank offset."""
+    from fusec.backends.cute.codegen import compile_key
+    from fusec.backends.cute.dist import peer_pointers, rank_plan
+    from fusec.backends.cute.lower import lower_ranks
+    n = 4
+    lows = lower_ranks(lower(kimi_k3.build_graph("tiny"), Options(ranks=n, batch=1, max_len=16)).schedule)
+    # what process r maps: every rank's allocation, at addresses of its own
+    maps = {r: [(0x7000 + 0x100 * r + 0x10 * q) << 32 for q in range(n)] for r in range(n)}
+    plans = []
+    for r in range(n):
+        arenas = peer_pointers(_Handle(r, maps[r]), _At(maps[r][r]), n)
+        counters = peer_pointers(_Handle(r, [p + 0x1000 for p in maps[r]]), _At(maps[r][r] + 0x1000 + 512), n)
+        assert counters == [p + 0x1000 + 512 for p in maps[r]]
+        plan, peers = rank_plan(lows[r], r, n, arenas, counters)
+        assert peers == [counters[(r + p) % n] for p in range(n)] and plan.rank == r
+        size = lows[r].memory.arena_bytes()
+        pushes = [(getattr(t, f), p) for t, ps in zip(plan.tasks, lows[r].peer_fields) for f, p in ps]
+        assert {p for _, p in pushes} == set(range(1, n))
+        assert all(0 <= a - arenas[(r + p) % n] < size for a, p in pushes)     # in the peer's arena
+        plans.append(plan)
+    assert len({compile_key(p) for p in plans}) == 1
+    with pytest.raises(ValueError, match="over 4 ranks, expected 3"):
+        peer_pointers(_Handle(0, maps[0]), _At(maps[0][0]), 3)

@@ -45,6 +45,14 @@ def peer_pointers(handle, local, ranks: int) -> list[int]:
     return [p + off for p in ptrs]
 
 
+def rank_plan(low, rank: int, ranks: int, arenas: list[int], counters: list[int], plan_options=None):
+    """Rank `rank`'s plan relocated into the arenas (`arenas[q]`: rank q's arena as this process
+    maps it) and its peers table (entry p: rank (rank + p) % R's event counters)."""
+    plan = low.plan(base=arenas[rank], peer_bases={p: arenas[(rank + p) % ranks] for p in range(ranks)},
+                    **(plan_options or {}))
+    return plan, [counters[(rank + p) % ranks] for p in range(ranks)]
+
+
 class DistCuteRunner(CuteRunner):
     """fusec.api Runner for rank `rank` of a multi-rank program, one process per GPU."""
 
@@ -63,6 +71,7 @@ class DistCuteRunner(CuteRunner):
 
         multicast_off()
         check_cute_args(program, device, precision)
+        torch.cuda.set_device(device)
         R = program.schedule.ranks
         if R < 2:
             raise ValueError("DistCuteRunner runs a multi-rank schedule (ranks >= 2)")
@@ -84,11 +93,9 @@ class DistCuteRunner(CuteRunner):
         self.mem = self.lowered.memory.bind(device, arena=arena)
         with torch.no_grad():
             bind_weights(self.lowered, self.mem, materialize_weights(g, weights, rank, "bf16"))
-        self.plan = self.lowered.plan(base=bases[rank], peer_bases={p: bases[(rank + p) % R] for p in range(R)},
-                                      **(plan_options or {}))
+        self.plan, peers = rank_plan(self.lowered, rank, R, bases, counters, plan_options)
         self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device, events=events)
-        self.kernel.set_peers(torch.tensor([counters[(rank + p) % R] for p in range(R)], dtype=torch.int64,
-                                           device=device))
+        self.kernel.set_peers(torch.tensor(peers, dtype=torch.int64, device=device))
         self.kernel.warm()
         self._init_host()
         # every rank's arena bound, counters zeroed and kernel loaded before any rank's first step
