@@ -52,6 +52,21 @@ def _cute_runner(graph, weights, dims, device, precision):
 BACKENDS = {"reference": ReferenceRunner, "cute": _cute_runner}
 
 
+def _dist_reference_runner(program, weights, dims, device, precision, rank, group):
+    from fusec.backends.reference.dist import DistReferenceRunner
+    return DistReferenceRunner(program.graph, weights, dims, device, precision, rank, program.opts.ranks, group)
+
+
+def _dist_cute_runner(program, weights, dims, device, precision, rank, group):
+    from fusec.backends.cute.dist import DistCuteRunner
+    return DistCuteRunner(program, weights, dims, device, precision, rank=rank, group=group)
+
+
+# ranks > 1: runner(program after the pipeline with Options(ranks=R), full weights, dims, device,
+# precision, this process's rank, process group) for one rank per process
+RANK_BACKENDS = {"reference": _dist_reference_runner, "cute": _dist_cute_runner}
+
+
 class CompiledStep:
     """One compiled decode step with its own state (KV caches, recurrent and conv states).
 
@@ -76,6 +91,7 @@ class CompiledStep:
     def __init__(self, graph: Graph, runner, batch: int, max_len: int, device: str, *,
                  check_finite: bool = True, deferred: bool = False):
         self.graph, self.runner, self.batch, self.max_len, self.device = graph, runner, batch, max_len, device
+        self.rank, self.ranks = getattr(runner, "rank", 0), getattr(runner, "ranks", 1)   # this process's rank of R
         last = graph.outputs[0].type.shape[-1] if graph.outputs else None
         self.vocab = last if isinstance(last, int) else None   # token ids must be below it
         self.check_finite, self.deferred = check_finite, deferred
@@ -304,11 +320,51 @@ def check_device(device) -> str:
     return str(device)
 
 
+def join_group(ranks: int, group, backend: str, device: str) -> tuple[int, str]:
+    """(this process's rank, its device) in the torch.distributed group of a `ranks`-rank step;
+    ValueError without an initialized group of `ranks` processes. device "cuda" is this
+    process's GPU (LOCAL_RANK, as torchrun sets it: one process per GPU)."""
+    import os
+
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) and group is None:
+        raise ValueError(f"ranks={ranks} runs one rank per process: start {ranks} processes (torchrun, or "
+                         f"`fusec run --ranks {ranks}`) and call torch.distributed.init_process_group first, "
+                         f"or pass group=")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size != ranks:
+        raise ValueError(f"ranks={ranks} but the process group has {size} process(es)")
+    if backend not in RANK_BACKENDS:
+        raise ValueError(f"backend '{backend}' does not run multi-rank steps (have: {', '.join(RANK_BACKENDS)})")
+    if device == "cuda":
+        local, n = int(os.environ.get("LOCAL_RANK", rank)), torch.cuda.device_count()
+        if local >= n:
+            raise ValueError(f"rank {rank}: local rank {local} has no GPU of its own (have {n})")
+        device = f"cuda:{local}"
+    comm = str(dist.get_backend(group))
+    # the reference backend's collectives run on the group: gloo moves CPU tensors, NCCL CUDA ones
+    if backend == "reference" and ("nccl" if device.startswith("cuda") else "gloo") not in comm:
+        raise ValueError(f"the reference backend on {device} needs a "
+                         f"{'nccl' if device.startswith('cuda') else 'gloo'} process group, not {comm}")
+    return rank, device
+
+
 def compile(model, config: str | None = None, *, backend: str = "reference", batch: int = 1,
             max_len: int = 256, device: str = "cpu", precision: str = "bf16", weights=None,
             seed: int = 0, overrides: dict | None = None, allow_nonfinite: bool = False,
-            check_finite: bool = True) -> CompiledStep:
+            check_finite: bool = True, ranks: int = 1, group=None) -> CompiledStep:
     """Build (or parse) the graph, verify it, bind weights and return a `CompiledStep`.
+
+    `ranks` > 1: tensor and expert parallel over `ranks` processes, one rank each: this process
+    joins the torch.distributed process group (`group`, default the default group, which must
+    be initialized and hold `ranks` processes), the graph is sharded by the same pipeline as
+    `fusec compile --ranks` and the returned step is THIS process's rank (`step.rank`): every
+    process calls `compile` and then steps together (the collectives wait for every rank).
+    The full weights (the same seed gives the same on every process, as does one checkpoint)
+    are sliced per rank. Reference backend: collectives over the group (gloo on CPU, NCCL on
+    CUDA); cute backend: one GPU per process (device "cuda" = cuda:LOCAL_RANK), arenas in
+    symmetric memory (backends/cute/dist.py). NVLink multicast is kept off
+    (backends/multicast.py).
 
     `weights`: None (deterministic random weights from `seed`), a dict of tensors, or a path to a
     checkpoint folder (sharded safetensors with an index). A checkpoint's `config.json` sets the
@@ -321,6 +377,7 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
     _positive("batch", batch)
     _positive("max_len", max_len)
     _positive("seed", seed, 0)
+    _positive("ranks", ranks)
     if seed >= 2 ** 63:
         raise ValueError(f"seed must be < 2**63, got {seed}")
     if backend not in BACKENDS:
@@ -332,6 +389,11 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
     device = check_device(device)
     if backend == "cute" and not device.startswith("cuda"):
         raise ValueError("backend 'cute' needs device='cuda'")
+    rank = 0
+    if ranks > 1:
+        from fusec.backends.multicast import multicast_off
+        multicast_off()
+        rank, device = join_group(ranks, group, backend, device)
     ckpt = weights if weights is not None and not isinstance(weights, dict) else None
     graph, module = load_graph(model, config, overrides, checkpoint=ckpt)
     verify_graph(graph)
@@ -346,6 +408,13 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
     elif not allow_nonfinite:
         check_finite_weights(weights, graph)
     dims = {"B": batch, "L": max_len}
-    runner = BACKENDS[backend](graph, weights, dims, device, precision)
     deferred = backend != "reference" and device.startswith("cuda")
+    if ranks > 1:
+        from fusec.compiler import lower
+        from fusec.passes.options import Options
+        program = lower(graph, Options.from_env(ranks=ranks, batch=batch, max_len=max_len))
+        runner = RANK_BACKENDS[backend](program, weights, dims, device, precision, rank, group)
+        return CompiledStep(program.graph, runner, batch, max_len, device, check_finite=check_finite,
+                            deferred=deferred)
+    runner = BACKENDS[backend](graph, weights, dims, device, precision)
     return CompiledStep(graph, runner, batch, max_len, device, check_finite=check_finite, deferred=deferred)

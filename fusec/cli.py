@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--weights", help="checkpoint folder (default: random weights from --seed)")
     r.add_argument("--allow-nonfinite", action="store_true",
                    help="load a checkpoint holding NaN/Inf or 0xFF (NaN) mxfp4 scales instead of refusing it")
+    r.add_argument("--ranks", type=positive_int, default=1,
+                   help="processes to shard the step over, one rank each, started by torchrun (gloo on the CPU; "
+                        "with cuda or --backend cute one GPU per rank, NCCL); default 1")
 
     v = sub.add_parser("verify", help="re-check a written schedule; exit 1 on any violation")
     v.add_argument("path", help="a schedule file (.fsched or .fsched.gz) or a `fusec compile` output folder")
@@ -191,19 +194,39 @@ def cmd_compile(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from fusec import launch
+    if args.ranks > 1 and not launch.worker():    # the parent: torchrun starts the ranks (fusec/launch.py)
+        return launch.launch(args.argv, args.ranks, args.backend, args.device)
+    device = args.device or ("cuda" if args.backend == "cute" else "cpu")
+    if args.ranks == 1:
+        return _generate(args, device)
+    device = launch.rank_device(args.ranks, args.backend, args.device)
+    import torch.distributed as dist
+    launch.init_worker(device)
+    try:
+        return _generate(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _generate(args, device: str) -> int:
     import torch
     import fusec
     from fusec.loader import parse_overrides
-    device = args.device or ("cuda" if args.backend == "cute" else "cpu")
     step = fusec.compile(args.model, args.config, backend=args.backend, batch=args.batch, seed=args.seed,
                          max_len=args.steps, device=device, precision=args.precision,
                          weights=args.weights, overrides=parse_overrides(args.set),
-                         allow_nonfinite=args.allow_nonfinite)
+                         allow_nonfinite=args.allow_nonfinite, ranks=args.ranks)
     g = torch.Generator().manual_seed(args.seed)
     vocab = step.graph.outputs[0].type.shape[-1]
     tokens = torch.randint(0, vocab, (args.batch,), generator=g, dtype=torch.int32)
-    print(f"prompt tokens: {tokens.tolist()}")
     out = step.generate(tokens, args.steps)
+    if step.ranks > 1:
+        from fusec.launch import check_same_tokens
+        check_same_tokens(out, step.ranks)
+        if step.rank:
+            return 0      # rank 0 prints
+    print(f"prompt tokens: {tokens.tolist()}")
     for s in range(args.steps):
         print(f"step {s}: {out[s].tolist()}")
     return 0
@@ -309,11 +332,18 @@ def main(argv=None) -> int:
             raise
         expected = _expected_errors()
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if _rank_worker():        # one of `fusec run --ranks`'s processes: say which (fusec/launch.py)
+            msg = f"rank {os.environ['RANK']}: {msg}"
         if isinstance(e, expected):
             print(f"fusec: error: {msg}", file=sys.stderr)
             return 2
         print(f"fusec: internal error: {type(e).__name__}: {msg}", file=sys.stderr)
         return 70
+
+
+def _rank_worker() -> bool:
+    from fusec.launch import worker
+    return worker()
 
 
 def _expected_errors() -> tuple[type, ...]:

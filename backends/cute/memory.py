@@ -123,11 +123,29 @@ class MemoryPlan:
                 lines.append(f"  view {n} = {v.region}+{v.elem_offset} {list(v.shape)} strides {list(v.strides)}")
         return "\n".join(lines)
 
-    def bind(self, device) -> "Bound":
+    def arena_bytes(self) -> int:
+        """Bytes of the arena `bind` allocates: rounded up to whole ALIGN blocks so the arena can
+        be viewed as any element type."""
+        return -(-max(1, self.size) // ALIGN) * ALIGN
+
+    def bind(self, device, arena=None) -> "Bound":
+        """The arena allocated (zeroed) on `device`, or `arena`: an allocation made elsewhere
+        (e.g. in symmetric memory, backends/cute/dist.py), a contiguous uint8 tensor of at least
+        `arena_bytes()` bytes on `device`, zeroed here."""
         import torch
 
-        # Rounded up to whole 8-byte words so the arena can be viewed as any element type.
-        return Bound(self, torch.zeros(-(-max(1, self.size) // ALIGN) * ALIGN, dtype=torch.uint8, device=device))
+        if arena is None:
+            return Bound(self, torch.zeros(self.arena_bytes(), dtype=torch.uint8, device=device))
+        if (arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous()
+                or arena.numel() < self.arena_bytes() or arena.device.type != torch.device(device).type
+                or torch.device(device).index not in (None, arena.device.index)):
+            raise MemoryPlanError(f"an external arena must be a contiguous uint8 vector of at least "
+                                  f"{self.arena_bytes()} bytes on {device}, got {arena.dtype} {list(arena.shape)} "
+                                  f"on {arena.device}")
+        if arena.data_ptr() % ALIGN:
+            raise MemoryPlanError(f"an external arena must start {ALIGN}-byte aligned")
+        arena.zero_()
+        return Bound(self, arena)
 
 
 def build_memory_plan(graph: Graph, dims: dict, scratch: dict[str, TensorType] | None = None) -> MemoryPlan:

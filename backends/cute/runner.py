@@ -47,6 +47,16 @@ def arena_reference(graph: Graph, bound, dims, device, precision: str = "bf16"):
     return ReferenceRunner(graph, arena_weights(graph, bound), dims, device, precision)
 
 
+def check_cute_args(program, device, precision: str) -> None:
+    """The cute backend's refusals: bf16 only, a CUDA device, a program with a schedule."""
+    if precision != "bf16":
+        raise ValueError("backend 'cute' computes in bf16 (fp32 accumulation); use precision='bf16'")
+    if not str(device).startswith("cuda"):
+        raise ValueError("backend 'cute' needs device='cuda'")
+    if program.schedule is None:
+        raise ValueError("the pipeline produced no schedule for the cute backend")
+
+
 class CuteRunner:
     """fusec.api Runner: `run(tokens, positions) -> [logits, next_tokens]`, `reset()`."""
 
@@ -60,22 +70,25 @@ class CuteRunner:
         from .lower import bind_weights, lower_schedule
         from .runtime import Megakernel
 
-        if precision != "bf16":
-            raise ValueError("backend 'cute' computes in bf16 (fp32 accumulation); use precision='bf16'")
-        if not str(device).startswith("cuda"):
-            raise ValueError("backend 'cute' needs device='cuda'")
-        if program.schedule is None:
-            raise ValueError("the pipeline produced no schedule for the cute backend")
+        check_cute_args(program, device, precision)
         self.dims, self.device = dims, device
         self.program, self.lowered = program, lower_schedule(program.schedule)
         g = self.program.graph
         self.mem = self.lowered.memory.bind(device)
         with torch.no_grad():
             bind_weights(self.lowered, self.mem, materialize_weights(g, weights, 0, "bf16"))
-        self.state_names = [v.name for v in g.params if v.type.kind.value == "state"]
-        self.out_names = [v.name for v in g.outputs]
         self.plan = self.lowered.plan(base=self.mem.base, **(plan_options or {}))
         self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device)
+        self._init_host()
+
+    def _init_host(self) -> None:
+        """The host side around `self.kernel` over `self.mem` (both set): output and state
+        names, the asynchronous error read-back, fresh state."""
+        import torch
+
+        g = self.program.graph
+        self.state_names = [v.name for v in g.params if v.type.kind.value == "state"]
+        self.out_names = [v.name for v in g.outputs]
         # run(): graph replay, error words read back without a sync (see run and check).
         self._graph = None
         # Two pinned slots: step k's words land in slot k % 2 while step k - 1 may still run.
@@ -152,7 +165,10 @@ class CuteRunner:
             self._pending.clear()
             from .runtime import MegakernelTimeout
             e = self._err_host[slot].tolist()
-            raise MegakernelTimeout({f.name.lower(): e[f] for f in ErrWord if f != ErrWord.FLAG})
+            info = {f.name.lower(): e[f] for f in ErrWord if f != ErrWord.FLAG}
+            if self.kernel.plan.ranks > 1:
+                info["rank"] = self.kernel.plan.rank
+            raise MegakernelTimeout(info)
 
     def _write_inputs(self, tokens, positions) -> None:
         # copy_ casts to the arena's dtype in the same kernel (one launch or graph node each)

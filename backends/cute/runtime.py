@@ -17,6 +17,11 @@ import os
 from .plan import ERR_WORDS, PROF_FIELDS, PROF_OFFSET_WORDS, ROW_WORDS, ErrWord, KernelPlan
 
 
+def _on(t, device) -> bool:
+    """Whether tensor `t` is on `device` ("cuda" meaning any CUDA device)."""
+    return t.device.type == device.type and device.index in (None, t.device.index)
+
+
 class MegakernelTimeout(RuntimeError):
     """A bounded wait expired: names the task, event, expected and seen counter values."""
 
@@ -33,15 +38,25 @@ class Megakernel:
     """Compiled megakernel plus the device state it walks."""
 
     def __init__(self, plan: KernelPlan, out_dir: str | os.PathLike | None = None,
-                 device: str = "cuda"):
+                 device: str = "cuda", events=None):
+        """`events`: the event counters allocated elsewhere (e.g. in symmetric memory, where the
+        peers' kernels signal them: backends/cute/dist.py), a contiguous int32 vector of at least
+        `plan.num_events` entries on `device`, zeroed here; default a new zeroed one."""
         import torch
 
         from .codegen import compile_plan
 
         self.plan = plan
         self.device = torch.device(device)
+        if events is not None and (events.dtype != torch.int32 or events.dim() != 1 or not events.is_contiguous()
+                                   or events.numel() < max(1, plan.num_events) or not _on(events, self.device)):
+            raise ValueError(f"events must be a contiguous int32 vector of at least {max(1, plan.num_events)} "
+                             f"entries on {self.device}, got {events.dtype} {list(events.shape)} on {events.device}")
         self.compiled, self.module_path, _ = compile_plan(plan, out_dir)
-        self.events = torch.zeros(max(1, plan.num_events), dtype=torch.int32, device=device)
+        if events is None:
+            self.events = torch.zeros(max(1, plan.num_events), dtype=torch.int32, device=device)
+        else:
+            self.events = events.zero_()
         # Profile mode keeps int64 [tasks, PROF_FIELDS] timestamps after the error words.
         words = PROF_OFFSET_WORDS + 2 * PROF_FIELDS * max(1, len(plan.tasks)) if plan.profile else ERR_WORDS
         self.err = torch.zeros(words, dtype=torch.int32, device=device)

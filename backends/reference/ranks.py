@@ -19,7 +19,9 @@ Parameter annotations (printed after a param's type, see docs/passes.md):
 `run_step_ranks` evaluates ops in program order on every rank in lockstep: a non-collective op
 runs its registry reference once per rank (with `as_rank(r)` so rank-dependent ops see their
 rank), a collective op is evaluated across all ranks' operands at once, group by group
-(attrs `ranks` = group size and `stride`, see fusec/ir/ops/comm.py).
+(attrs `ranks` = group size and `stride`, see fusec/ir/ops/comm.py). `run_ops` is that loop
+for any subset of the ranks; backends/reference/dist.py runs it on one rank per process, the
+collectives' operands all-gathered over a torch.distributed group.
 """
 from __future__ import annotations
 
@@ -125,18 +127,27 @@ def replica_mismatch(graph: Graph, per_rank: list[dict]) -> list[str]:
 
 
 # -- collectives across ranks ---------------------------------------------------------------------
-def _collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.Tensor]:
-    """Per-rank results of one collective given every rank's operand: evaluated in each group."""
+def collective_results(opname: str, xs: list[torch.Tensor], attrs, want) -> dict[int, torch.Tensor]:
+    """The results for ranks `want` of one collective given every rank's operand (`xs[r]`, all R
+    ranks): evaluated once per group holding a wanted rank."""
     R = len(xs)
     g, s = attrs.get("ranks", R), attrs.get("stride", 1)
     if g * s != R:
         raise ExecError(f"{opname} is over groups of {g} ranks {s} apart but the executor runs {R} ranks")
-    out: list = [None] * R
-    for c in range(s):
+    want = set(want)
+    out: dict[int, torch.Tensor] = {}
+    for c in sorted({r % s for r in want}):
         members = group_members(c, g, s)
         for r, y in zip(members, _group_collective(opname, [xs[r] for r in members], attrs)):
-            out[r] = y
+            if r in want:
+                out[r] = y
     return out
+
+
+def _collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.Tensor]:
+    """Every rank's result of one collective given every rank's operand."""
+    out = collective_results(opname, xs, attrs, range(len(xs)))
+    return [out[r] for r in range(len(xs))]
 
 
 def _group_collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.Tensor]:
@@ -146,6 +157,50 @@ def _group_collective(opname: str, xs: list[torch.Tensor], attrs) -> list[torch.
     if fn is None:
         raise ExecError(f"the multi-rank reference executor does not implement collective {opname}")
     return fn([x.float() for x in xs], attrs)
+
+
+# -- one step on some of the ranks ----------------------------------------------------------------
+def rank_env(graph: Graph, weights: Mapping, state: Mapping, inputs: Mapping[str, torch.Tensor],
+             precision: str) -> dict:
+    """One rank's environment before its first op: its weights and state (already its slices)
+    and the step inputs, cast for `precision`."""
+    env: dict = {}
+    for v in graph.params:
+        if v.kind is Kind.weight:
+            env[v.name] = weights[v.name]
+        elif v.kind is Kind.state:
+            env[v.name] = state[v.name].to(torch_dtype(v.type.dtype, precision))
+        elif v.kind is Kind.io:
+            if v.name not in inputs:
+                raise ExecError(f"missing input {v.name}")
+            env[v.name] = inputs[v.name].to(torch_dtype(v.type.dtype, precision))
+    return env
+
+
+def run_ops(graph: Graph, envs: Mapping[int, dict], precision: str, exchange, hooks=None) -> None:
+    """Every op of the SPMD `graph` in program order on the ranks whose environments `envs` holds
+    (rank -> env, filled in place): a non-collective op runs its registry reference per rank under
+    `as_rank(r)`; a collective gets every rank's fp32 operand from `exchange({rank: operand} of
+    the held ranks) -> [operand of rank 0..R-1]` (all ranks held: a lookup; one rank per process:
+    an all-gather over the process group, backends/reference/dist.py) and is evaluated group by
+    group, so every executor computes the same bits. `hooks[r]`: rank r's executor hook."""
+    for op in graph.ops:
+        if Trait.collective in op.opdef.traits:
+            if len(op.inputs) != 1:
+                raise ExecError(f"the multi-rank executor only runs single-operand collectives, not {op.opname}")
+            xs = exchange({r: env[op.inputs[0].name].float() for r, env in envs.items()})
+            outs = collective_results(op.opname, xs, op.attrs, envs.keys())
+            for r, env in envs.items():
+                env[op.outputs[0].name] = store(outs[r], op.outputs[0].type, precision)
+            continue
+        for r, env in envs.items():
+            ins = [env[v.name] for v in op.inputs]
+            with as_rank(r):
+                outs = op.opdef.ref(ins, op.attrs)
+            if hooks is not None:
+                outs = hooks[r](op, ins, outs)
+            for v, t in zip(op.outputs, outs):
+                env[v.name] = store(t, v.type, precision)
 
 
 def run_step_ranks(graph: Graph, full_weights: Mapping, ranks: int, full_state: dict,
@@ -160,33 +215,8 @@ def run_step_ranks(graph: Graph, full_weights: Mapping, ranks: int, full_state: 
     """
     weights = [materialize_weights(graph, full_weights, r, precision) for r in range(ranks)]
     states = [shard_state(graph, full_state, r) for r in range(ranks)]
-    envs: list[dict] = [{} for _ in range(ranks)]
-    for r in range(ranks):
-        for v in graph.params:
-            if v.kind is Kind.weight:
-                envs[r][v.name] = weights[r][v.name]
-            elif v.kind is Kind.state:
-                envs[r][v.name] = states[r][v.name].to(torch_dtype(v.type.dtype, precision))
-            elif v.kind is Kind.io:
-                if v.name not in inputs:
-                    raise ExecError(f"missing input {v.name}")
-                envs[r][v.name] = inputs[v.name].to(torch_dtype(v.type.dtype, precision))
-    for op in graph.ops:
-        if Trait.collective in op.opdef.traits:
-            if len(op.inputs) != 1:
-                raise ExecError(f"the multi-rank executor only runs single-operand collectives, not {op.opname}")
-            outs = _collective(op.opname, [envs[r][op.inputs[0].name] for r in range(ranks)], op.attrs)
-            for r in range(ranks):
-                envs[r][op.outputs[0].name] = store(outs[r], op.outputs[0].type, precision)
-            continue
-        for r in range(ranks):
-            ins = [envs[r][v.name] for v in op.inputs]
-            with as_rank(r):
-                outs = op.opdef.ref(ins, op.attrs)
-            if hooks is not None:
-                outs = hooks[r](op, ins, outs)
-            for v, t in zip(op.outputs, outs):
-                envs[r][v.name] = store(t, v.type, precision)
+    envs = {r: rank_env(graph, weights[r], states[r], inputs, precision) for r in range(ranks)}
+    run_ops(graph, envs, precision, lambda local: [local[r] for r in range(ranks)], hooks)
     new_states = [{name: envs[r][v.name] for name, v in graph.updates.items()} for r in range(ranks)]
     for r in range(ranks):
         for v in graph.states():
