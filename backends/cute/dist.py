@@ -87,7 +87,9 @@ class DistCuteRunner(CuteRunner):
         # Symmetric allocations: the same sizes on every rank (every rank lowers every table).
         arena = symm.empty(self.lowered.memory.arena_bytes(), dtype=torch.uint8, device=device)
         events = symm.empty(max(1, max(low.num_events for low in lows)), dtype=torch.int32, device=device)
-        self._symm = (arena, events, symm.rendezvous(arena, group), symm.rendezvous(events, group))
+        # rendezvous takes a group or its name, not None (seen on the H200: TypeError)
+        grp = group if group is not None else dist.group.WORLD
+        self._symm = (arena, events, symm.rendezvous(arena, grp), symm.rendezvous(events, grp))
         bases = peer_pointers(self._symm[2], arena, R)
         counters = peer_pointers(self._symm[3], events, R)
         self.mem = self.lowered.memory.bind(device, arena=arena)

@@ -206,8 +206,9 @@ class RouteAlign:
         if route is None:
             return outs
         k = route.k(op.attrs)
-        ids = self.bound.tensor(op.outputs[route.ids].name).long()
         corr = route.scores(list(ins), op.attrs).float()
+        # the kernel's ids where the reference runs (its arena may be on another device)
+        ids = self.bound.tensor(op.outputs[route.ids].name).long().to(corr.device)
         n = corr.shape[-1]
         in_range = ((ids >= 0) & (ids < n)).all(-1)
         ids_c = ids.clamp(0, n - 1)

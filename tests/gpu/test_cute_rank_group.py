@@ -55,11 +55,10 @@ def _rel(a, b):
 @pytest.mark.parametrize("passes", ["default", NO_SPLIT], ids=["split", "no_split"])
 @pytest.mark.parametrize("module,batch,tol", [
     (llama, 1, 2e-2), (llama, 4, 2e-2), (kimi_k3, 1, 5e-2),
-    # Seen on the H200 (stop 14), before the reference followed near-ties (RouteAlign hooks, added
-    # after that run): ranks bit-identical, replicas identical, logits 1.3e-2 / 5.7e-1 / 1.9e-2 /
-    # 1.1e-2 at steps 0-3. One step far off between good ones looks like a near-tie taken the
-    # other way; not yet rerun, so it stays marked.
-    pytest.param(kimi_k3, 4, 5e-2, marks=pytest.mark.xfail(reason="one step at 5.7e-1 on the H200 before RouteAlign")),
+    # Stop 14, before the reference followed the kernel's near-tied expert choices: one step of
+    # four at 5.7e-1 at B = 4. With the RouteAlign hooks (stop 15): 1.3e-2 / 2.2e-2 / 1.9e-2 /
+    # 1.1e-2 (docs/results/pytest_rank_group_h200_stop15.log).
+    (kimi_k3, 4, 5e-2),
 ], ids=["llama-b1", "llama-b4", "k3-b1", "k3-b4"])
 def test_ranks_on_one_gpu_match_reference(module, batch, tol, passes):
     """4 steps: every rank bit-identical to rank 0, the ranks' state replicas identical; each
@@ -88,13 +87,11 @@ def test_ranks_on_one_gpu_match_reference(module, batch, tol, passes):
     assert max(errs) < tol, errs
 
 
-@pytest.mark.xfail(strict=True, reason="seen on the H200 (stop 14): rank 0 timed out at step 1 waiting for rank 1's "
-                   "first arrival (counter 0) when rank 1 runs its own compile with delay injection. Suspected: "
-                   "CUDA lazily loading rank 1's module while rank 0 spins; RankGroup now warms every kernel "
-                   "first (Megakernel.warm), not yet run on a GPU: strict, so a pass shows up")
 def test_delay_on_one_rank_gives_the_same_logits():
     """Rank 1's producers sleep before their bodies (late, reshuffled): a missing wait on a peer's
-    data would read stale bytes; the logits equal the undelayed run's bit for bit."""
+    data would read stale bytes; the logits equal the undelayed run's bit for bit. (At stop 14
+    rank 0 timed out at its first wait on rank 1 here: rank 1's own module was loaded lazily
+    while rank 0 spun. RankGroup warms every kernel first since; passed on the H200, stop 15.)"""
     g, _, _, plain = _group(llama, 4)
     _, _, _, slow = _group(llama, 4, plan_options=lambda r: {"delay_ns": 20_000} if r == 1 else {})
     for tok, pos in _inputs(g, 4, 3, 7):
