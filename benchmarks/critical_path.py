@@ -11,6 +11,8 @@ that row (a heuristic for its releasing producer: the table's events are not con
 row released by an earlier producer while an unrelated row ends later is misattributed); a row
 that did not wait moves to the previous row of its own CTA. Body time is summed per
 (opcode / sub / K) along the way and printed largest first, with the largest latencies.
+With --config and --batch (the profiled build's; its schedule is rebuilt on the CPU), the rows
+of the non-streaming opcodes on the path are also listed by the IR ops of their task.
 """
 from __future__ import annotations
 
@@ -25,8 +27,12 @@ from fusec.backends.cute.plan import Opcode
 WAITED_US = 0.3     # a row whose body starts this long after its wait began was released late
 
 
-def walk(path: str):
-    """(body us per kind along the critical path, latency us per kind, path length in us)."""
+STREAMING = ("GEMV_BF16", "GEMV_MXFP4", "EXPERT_BF16", "EXPERT_MXFP4")
+
+
+def walk(path: str, names=None):
+    """(body us per kind along the critical path, latency us per kind, path length in us, body us
+    per (kind, IR ops of the task) of the non-streaming rows when `names` maps task id -> ops)."""
     d = torch.load(path)
     prof, rows, cta = d["prof"], d["rows"], d["cta"].tolist()
     t0 = int(prof[:, 0][prof[:, 0] > 0].min())
@@ -47,8 +53,11 @@ def walk(path: str):
     cur = max(range(n), key=lambda i: be[i])
     span = be[cur]
     body, lat = collections.defaultdict(float), collections.defaultdict(float)
+    by_ops = collections.defaultdict(float)
     for _ in range(n):
         body[kind(cur)] += be[cur] - bs[cur]
+        if names is not None and Opcode(int(rows[cur, 1])).name not in STREAMING:
+            by_ops[(kind(cur), names.get(int(rows[cur, 0]), "?"))] += be[cur] - bs[cur]
         if bs[cur] - ws[cur] > WAITED_US:
             j = bisect.bisect_right(ends, bs[cur]) - 1
             while j >= 0 and cta[order[j]] == cta[cur]:
@@ -63,21 +72,41 @@ def walk(path: str):
                 break
             lat["gap on the CTA"] += max(0.0, ws[cur] - be[p])
             cur = p
-    return body, lat, span
+    return body, lat, span, by_ops
+
+
+def task_ops(config: str, batch: int, max_len: int) -> dict[int, str]:
+    """Task id -> its IR ops ('+'-joined) in the K3 config's schedule at this batch (CPU build)."""
+    import os
+
+    import fusec.models as models
+    from fusec.compiler import lower_for_cute
+    from fusec.loader import load_graph
+    graph, _ = load_graph(os.path.join(os.path.dirname(models.__file__), "kimi_k3.py"), config, None)
+    prog, _ = lower_for_cute(graph, batch, max_len)
+    return {t.id: "+".join(t.ops) for t in prog.schedule.tasks}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("profile", help="a profile_<config>_b<B>.pt written by cute_speed.py with FUSEC_PROFILE_DIR")
     ap.add_argument("--top", type=int, default=16)
+    ap.add_argument("--config", help="the profiled K3 config (e.g. slice4-e128): name the rows' IR ops")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-len", type=int, default=4096)
     args = ap.parse_args()
-    body, lat, span = walk(args.profile)
+    names = task_ops(args.config, args.batch, args.max_len) if args.config else None
+    body, lat, span, by_ops = walk(args.profile, names)
     print(f"{args.profile}: step span {span:.0f} us, bodies on the path {sum(body.values()):.0f} us, "
           f"latency {sum(lat.values()):.0f} us")
     for k, v in sorted(body.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"  {k:28s} {v:8.1f} us")
     print("  largest latencies:", ", ".join(f"{k} {v:.1f} us" for k, v in
                                             sorted(lat.items(), key=lambda kv: -kv[1])[:6]))
+    if names is not None:
+        print("  non-streaming rows on the path by task ops:")
+        for (k, ops), v in sorted(by_ops.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"    {v:7.1f} us  {k:20s} {ops[:110]}")
 
 
 if __name__ == "__main__":
