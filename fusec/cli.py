@@ -102,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ranks", type=positive_int, action="append", help="rank counts (repeatable; default 8,16,64,72)")
     s.add_argument("--gpu", default="h200", choices=["h200", "gb300"], help="GPU to model (default h200)")
     s.add_argument("--batch", type=positive_int, action="append", help="batch sizes (repeatable; default 1, 8)")
-    s.add_argument("--split", default="on", choices=["on", "off", "both"],
-                   help="split_reduce (all-reduces cut into column parts): on (default), off, or both rows")
+    s.add_argument("--split", default="gated", choices=["gated", "on", "forced", "off", "both", "all"],
+                   help="split_reduce (all-reduces cut into column parts): gated (default: where its cost gate "
+                        "predicts a gain; `on` is the same), forced (every eligible one), off; both: gated and off rows; "
+                        "all: gated, forced and off rows")
 
     k = sub.add_parser("configs", help="list the named configs of a model file")
     k.add_argument("model", help="model file (models/kimi_k3.py) or model name")
@@ -262,7 +264,7 @@ def cmd_simulate(args) -> int:
     from fusec.loader import load_graph, parse_overrides
     from fusec.simulate import format_table, simulate
     g, _ = load_graph(args.model, args.config, parse_overrides(args.set))
-    splits = {"on": [True], "off": [False], "both": [True, False]}[args.split]
+    splits = {"on": ["gated"], "both": ["gated", "off"], "all": ["gated", "forced", "off"]}.get(args.split, [args.split])
     rows = [simulate(g, ranks=r, gpu=args.gpu, batch=b, split=sp) for r in (args.ranks or [8, 16, 64, 72])
             for b in (args.batch or [1, 8]) for sp in splits]
     print(format_table(rows))

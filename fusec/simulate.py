@@ -13,8 +13,9 @@ reported. Inputs and parameters are written down in docs/simulation.md.
 
 Exposed communication (`exposed_comm_us`): the time in the predicted step during which some
 collective task (a push or a local reduce/gather) runs and no other task does, i.e. what the
-collectives add that no compute hides. `split=False` leaves the `split_reduce` pass out
-(every all-reduce whole) so the two can be compared.
+collectives add that no compute hides. `split` picks how `split_reduce` runs, so the three can
+be compared: "gated" (its default: an all-reduce is cut only where its cost gate predicts a gain),
+"forced" (every eligible all-reduce cut) or "off" (the pass left out, every all-reduce whole).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class SimResult:
     collectives: int
     note: str = ""
     exposed_comm_us: float = 0.0  # collective tasks running while no other task runs
-    split: bool = True            # split_reduce ran
+    split: str = "gated"          # split_reduce: gated, forced or off
 
     @property
     def tokens_per_s_per_user(self) -> float:
@@ -54,15 +55,20 @@ class SimResult:
 
 
 def simulate(model_graph: Graph, ranks: int, gpu: str = "h200", batch: int = 1,
-             max_len: int = 4096, tp: int | None = None, ep: int | None = None, split: bool = True) -> SimResult:
+             max_len: int = 4096, tp: int | None = None, ep: int | None = None,
+             split: str | bool = "gated") -> SimResult:
     """`tp` / `ep`: smaller parallel degrees than the shard pass plans (None: the plan's);
-    `split`: run `split_reduce` (all-reduces cut into column parts)."""
+    `split`: how `split_reduce` runs (module docstring; True is "gated", False "off")."""
+    split = {True: "gated", False: "off"}.get(split, split)
+    if split not in ("gated", "forced", "off"):
+        raise ValueError(f"split must be gated, forced or off, not {split!r}")
     from fusec.passes.manager import Program, run_pipeline
     spec = gpu_spec(gpu)
-    opts = Options(ranks=ranks, batch=batch, max_len=max_len, gpu=gpu, verify_each_pass=False)   # SMs: the gpu's
+    opts = Options(ranks=ranks, batch=batch, max_len=max_len, gpu=gpu, verify_each_pass=False,   # SMs: the gpu's
+                   split_reduce="forced" if split == "forced" else "gated")
     prog = Program(model_graph.copy(), opts)
     prog.notes["shard_degrees"] = {k: v for k, v in (("tp", tp), ("ep", ep)) if v is not None}
-    run_pipeline(prog, PIPE if split else [p for p in PIPE if p != "split_reduce"])
+    run_pipeline(prog, PIPE if split != "off" else [p for p in PIPE if p != "split_reduce"])
     s = prog.schedule
     st = graph_stats(prog.graph, opts.dims)
     coll = sum(1 for op in prog.graph.ops if Trait.collective in op.opdef.traits)
@@ -101,7 +107,7 @@ def format_table(rows: list[SimResult]) -> str:
            "tok/s per user | tok/s total | collectives |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.gpu} | {r.ranks} | {r.tp} | {r.ep} | {r.batch} | {'on' if r.split else 'off'} | "
+        out.append(f"| {r.gpu} | {r.ranks} | {r.tp} | {r.ep} | {r.batch} | {r.split} | "
                    f"{r.step_us / 1e3:.2f} | {r.exposed_comm_us / 1e3:.3f} | "
                    f"{r.roofline_us / 1e3:.2f} | {r.tokens_per_s_per_user:.0f} | {r.tokens_per_s:.0f} | "
                    f"{r.collectives} |")

@@ -13,6 +13,7 @@ until the megakernel measures it (backends/cute benchmarks).
 """
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 from .target import GpuSpec
@@ -39,6 +40,32 @@ def task_time_us(spec: GpuSpec, nbytes: float, flops: float, remote_bytes: float
         bw, lat = (spec.net_bw, spec.net_lat_us) if off_domain else (spec.nvlink_bw, spec.nvlink_lat_us)
         t += remote_bytes / (bw / max(1, remote_streams)) * 1e6 + lat * max(1, remote_hops)
     return t
+
+
+def list_schedule(units, sms: int) -> tuple[dict[str, float], list[list[tuple[int, float]]]]:
+    """The step-time model of the `schedule` pass (its list-scheduling rule), on its own so a pass
+    can predict a piece of a step (passes/split_reduce.py's gate). `units`: (name, deps, task
+    costs) in issue order; a unit's tasks are ready when every unit of `deps` issued before it has
+    finished; each task goes to the SM that frees first (ties: the lowest SM) and starts when that
+    SM is free and the task is ready. Returns each unit's finish and, per unit, each task's
+    (SM, start); every SM starts free at 0."""
+    free = [(0.0, sm) for sm in range(sms)]
+    heapq.heapify(free)
+    finish: dict[str, float] = {}
+    placed = []
+    for name, deps, costs in units:
+        ready = max((finish[d] for d in deps if d in finish), default=0.0)
+        end, at = ready, []
+        for c in costs:
+            f, sm = heapq.heappop(free)
+            start = max(f, ready)
+            done = start + c
+            heapq.heappush(free, (done, sm))
+            at.append((sm, start))
+            end = max(end, done)
+        finish[name] = end
+        placed.append(at)
+    return finish, placed
 
 
 def step_summary(schedule) -> dict:

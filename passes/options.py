@@ -8,6 +8,8 @@ Environment variables (read once per call of `Options.from_env`):
                        after every pass (tests build `Options` directly, where verifying after
                        every pass is the default)
   FUSEC_SMS            SMs per GPU for scheduling (default: the target GPU's, 132 on an H200)
+  FUSEC_SPLIT_REDUCE   `gated` (default): split_reduce cuts an all-reduce only where its cost
+                       gate predicts a shorter step; `forced`: every eligible one (passes/split_reduce.py)
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import sys
 from dataclasses import dataclass, field
 
 from .target import DEFAULT_GPU, gpu_spec
+
+SPLIT_REDUCE_MODES = ("gated", "forced")
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,11 @@ class Options:
     print_ir_after_all: bool = False
     dump_dir: str | None = None
     log: frozenset[str] = field(default_factory=frozenset)
+    split_reduce: str = "gated"     # or "forced": cut every eligible all-reduce (no cost gate)
 
     def __post_init__(self):
+        if self.split_reduce not in SPLIT_REDUCE_MODES:
+            raise ValueError(f"split_reduce must be one of {', '.join(SPLIT_REDUCE_MODES)}, not {self.split_reduce!r}")
         if self.sms is None:   # frozen: set through object.__setattr__, once, at construction
             object.__setattr__(self, "sms", gpu_spec(self.gpu).sms)
 
@@ -43,6 +50,8 @@ class Options:
             verify_each_pass=env.get("FUSEC_VERIFY", "end") == "each",
             sms=int(env["FUSEC_SMS"]) if env.get("FUSEC_SMS") else None,
         )
+        if env.get("FUSEC_SPLIT_REDUCE"):
+            base["split_reduce"] = env["FUSEC_SPLIT_REDUCE"]
         base.update({k: v for k, v in overrides.items() if v is not None})
         return Options(**base)
 

@@ -24,11 +24,10 @@ come from `fusec.passes.cost.task_time_us`; the predicted step time is the last 
 """
 from __future__ import annotations
 
-import heapq
-
 from .options import log
 from fusec.ir.schedule import Event, Instr, InstrKind, Scope, Sem
 
+from .cost import list_schedule
 from .manager import Program, register_pass
 
 
@@ -72,28 +71,18 @@ def run(prog: Program) -> bool:
             t.instrs = pre + waits + body + post + own
 
     # -- list scheduling ---------------------------------------------------------------------
-    sms = sched.sms
-    free = [(0.0, sm) for sm in range(sms)]
-    heapq.heapify(free)
-    finish: dict[str, float] = {}
-    queues: dict[tuple[int, int], list[int]] = {(0, sm): [] for sm in range(sms)}
+    plan = []
     for u in units:
-        ready = max((finish[d] for d in u.deps), default=0.0)
-        if u.pre and u.body != "comm_push":
-            push = by_name.get(u.name + ".push")
-            if push is not None:
-                ready = max(ready, finish.get(push.name, 0.0))
-        end = ready
-        for tid in u.task_ids:
-            t = sched.tasks[tid]
-            f, sm = heapq.heappop(free)
-            start = max(f, ready)
-            t.sm = sm
-            done = start + t.cost_us
-            heapq.heappush(free, (done, sm))
+        deps = list(u.deps)
+        if u.pre and u.body != "comm_push" and u.name + ".push" in by_name:
+            deps.append(u.name + ".push")    # a local reduce also waits for its pushes' arrivals
+        plan.append((u.name, deps, [sched.tasks[tid].cost_us for tid in u.task_ids]))
+    finish, placed = list_schedule(plan, sched.sms)
+    queues: dict[tuple[int, int], list[int]] = {(0, sm): [] for sm in range(sched.sms)}
+    for u, at in zip(units, placed):
+        for tid, (sm, _) in zip(u.task_ids, at):
+            sched.tasks[tid].sm = sm
             queues[(0, sm)].append(tid)
-            end = max(end, done)
-        finish[u.name] = end
     sched.events = events
     sched.queues = {k: v for k, v in queues.items() if v}
     step = max(finish.values(), default=0.0)

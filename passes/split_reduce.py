@@ -22,8 +22,32 @@ task's tile is its slot followed by the window it moves, ((d, d + 1), (0, B), (c
 local task's tile is the window of y it stores. Families that waited for P or <c> wait for
 every part. Which collectives may be cut is the registry's: `Trait.collective` together with
 `Trait.columnwise` (column c of y reads column c of every member's operand: all_reduce).
+
+The cost gate: a cut is made only where the cost model predicts a shorter step. For each
+candidate the time from its producer's start to the end of the collective's last local reduce
+is predicted twice by the schedule pass's own list-scheduling rule (`cost.list_schedule`, task
+times from `cost.task_time_us`: the tile pass's for the whole collective, the same formulas for
+the parts), on SMs all idle at the producer's start:
+  whole  P's tasks; its G - 1 pushes (waiting for P); the one local reduce (waiting for them)
+  split  P.part0; its pushes; P.part1; its pushes; the local reduces, part by part (the order
+         `overlap` issues them: a push as soon as its part is ready, local reduces last)
+What that weighs: the communication the split hides (part 0's pushes run beside part 1's
+tasks; each reduce, one task on one SM reading G slots of its window, reads half as much and
+the two run on two SMs; each push moves half the bytes) against what it costs (one more push
+and reduce, each with the task overhead and the link latency; a re-cut GEMV streams its
+weights in two waves, each task paying the overhead; part 0's pushes take SMs from part 1's
+wave). Where the producer is tiled into few tasks the halves run side by side and the split
+mostly shortens the reduce; where each half is a full wave (slice4 at R = 2) the second wave's
+overhead and latency usually outweigh it. The collective is cut only when the split is
+predicted strictly earlier; a refusal logs both predictions. Not modelled: the SMs' state
+before P (earlier families' stragglers), independent families `overlap` may move beside the
+reduces, and both parts' pushes sharing the link when they overlap (each part's push is
+charged the collective's G - 1 streams, as the tile pass charges the whole one).
+`Options.split_reduce = "forced"` (FUSEC_SPLIT_REDUCE=forced, `fusec simulate --split forced`)
+cuts every eligible collective, so gated, forced and off can be compared.
+
 Refusals are logged with their reason (FUSEC_LOG=overlap). Turning it off: a `--passes` list
-without `split_reduce`.
+without `split_reduce` (`--passes -split_reduce`).
 """
 from __future__ import annotations
 
@@ -32,7 +56,7 @@ from fusec.ir.schedule import Family, Instr, InstrKind, Region, Task
 from fusec.ir.types import Kind, TensorType
 
 from ._lowering import Retiler
-from .cost import task_time_us
+from .cost import list_schedule, task_time_us
 from .manager import Program, register_pass
 from .options import log
 from .target import gpu_spec
@@ -71,22 +95,70 @@ def run(prog: Program) -> bool:
             if isinstance(kept, str):
                 log(prog.opts, "overlap", f"split_reduce: %{y} not split: {prod.name}: {parts}; {kept}")
                 continue
-            parts = kept
+            parts, new_tasks = kept, None
+            costs = [[s.tasks[t].cost_us for t in ids] for ids, _ in parts]
         else:
-            for tasks in cut[1]:
+            new_tasks = cut[1]
+            costs = [[t.cost_us for t in ts] for ts in new_tasks]
+        whole_us, split_us = predict(s, prog.opts, local, prod, costs, [win for _, win in parts])
+        gain = f"predicted {whole_us:.2f} us whole, {split_us:.2f} us split ({split_us - whole_us:+.2f} us)"
+        if split_us >= whole_us and prog.opts.split_reduce != "forced":
+            log(prog.opts, "overlap", f"split_reduce: %{y} not split: no gain: {gain}, from {prod.name}'s "
+                f"start to the last local reduce ({prod.name}: {len(prod.task_ids)} tasks whole, "
+                f"{' + '.join(str(len(c)) for c in costs)} split; FUSEC_SPLIT_REDUCE=forced cuts it)")
+            continue
+        if new_tasks is not None:
+            for tasks in new_tasks:
                 for t in tasks:
                     t.id = len(s.tasks)
                     s.tasks.append(t)
             gone |= set(prod.task_ids)
-            parts = [([t.id for t in ts], win) for ts, (_, win) in zip(cut[1], parts)]
+            parts = [([t.id for t in ts], win) for ts, (_, win) in zip(new_tasks, parts)]
         _split(prog, local, op, prod, xt, parts)
         changed = True
         log(prog.opts, "overlap", f"split_reduce: %{y} split into {len(parts)} all-reduces over columns "
             f"{', '.join(f'[{a}:{b}]' for _, (a, b) in parts)} ({prod.name}: "
-            f"{' + '.join(str(len(ids)) for ids, _ in parts)} tasks)")
+            f"{' + '.join(str(len(ids)) for ids, _ in parts)} tasks; {gain}"
+            f"{', forced' if split_us >= whole_us else ''})")
     if changed:
         _renumber(s, gone)
     return changed
+
+
+def _push_cost(spec, sms: int, G: int, xb: float, peer: int) -> float:
+    """A push of `xb` bytes to `peer`, sharing the link with the collective's other G - 2 pushes."""
+    return task_time_us(spec, xb, 0.0, remote_bytes=xb, remote_hops=1, sms=sms,
+                        off_domain=peer >= spec.nvlink_domain, remote_streams=G - 1)
+
+
+def _local_cost(spec, sms: int, G: int, xb: float, yb: float) -> float:
+    """The local reduce: reads the operand's window and G - 1 slots of it, stores y's window."""
+    return task_time_us(spec, xb * G + yb, 0.0, sms=sms)
+
+
+def predict(s, opts, local: Family, prod: Family, part_costs, windows) -> tuple[float, float]:
+    """The gate (module docstring): the predicted time from the producer's start to the end of
+    its all-reduce's last local reduce, (whole, split into `windows`): the schedule pass's list
+    scheduling (`cost.list_schedule`) of just those families, in the order `overlap` issues them,
+    on idle SMs. `part_costs`: per window, the costs of the producer's tasks that compute it."""
+    spec = gpu_spec(opts.gpu)
+    push = next(f for f in s.families if f.name == local.name + ".push")
+    y = local.ops[0]
+    G, B, _ = s.buffers[f"{y}.slots"].shape
+    es = s.buffers[f"{y}.slots"].dtype.bits / 8
+    ys = s.graph.value(y).type.dtype.bits / 8
+    peers = [i.region.rank for t in push.task_ids for i in s.tasks[t].instrs if i.kind is InstrKind.STORE]
+    cost = lambda tids: [s.tasks[t].cost_us for t in tids]
+    whole = [("p", (), cost(prod.task_ids)), ("push", ("p",), cost(push.task_ids)),
+             ("local", ("p", "push"), cost(local.task_ids))]
+    split, locals_ = [], []
+    for k, (costs, (c0, c1)) in enumerate(zip(part_costs, windows)):
+        xb = B * (c1 - c0) * es
+        split += [(f"p{k}", (), costs), (f"push{k}", (f"p{k}",), [_push_cost(spec, s.sms, G, xb, p) for p in peers])]
+        locals_.append((f"local{k}", (f"p{k}", f"push{k}"), [_local_cost(spec, s.sms, G, xb, B * (c1 - c0) * ys)]))
+    t_whole = list_schedule(whole, s.sms)[0]["local"]
+    done = list_schedule(split + locals_, s.sms)[0]
+    return t_whole, max(done[name] for name, _, _ in locals_)
 
 
 def _producer(s, local: Family, op):
@@ -195,8 +267,7 @@ def _split(prog: Program, local: Family, op, prod: Family, xt: str, parts) -> No
             d, peer = sto.region.box[0][0], sto.region.rank
             ins = [Instr(InstrKind.LOAD, Region(xt, win)), Instr(InstrKind.COMPUTE),
                    Instr(InstrKind.STORE, Region(pslot, ((d, d + 1), (0, B), (0, w)), rank=peer))]
-            cost = task_time_us(spec, xb, 0.0, remote_bytes=xb, remote_hops=1, sms=s.sms,
-                                off_domain=peer >= spec.nvlink_domain, remote_streams=G - 1)
+            cost = _push_cost(spec, s.sms, G, xb, peer)
             pids.append(_task(s, old if k == 0 else None, "comm_push", old.ops, ((d, d + 1),) + win, ins, cost).id)
             pre[i] = [(c if e == ack else e, th, p) for e, th, p in push.pre.get(i, [])]
             post[i] = [(a if e == arrive else e, p) for e, p in push.post.get(i, [])]
@@ -205,7 +276,7 @@ def _split(prog: Program, local: Family, op, prod: Family, xt: str, parts) -> No
                                push.signals_local, pre, post, {a: G - 1, c: G - 1}))
         ins = [Instr(InstrKind.LOAD, Region(xt, win)), Instr(InstrKind.LOAD, Region(pslot, ((1, G), (0, B), (0, w)))),
                Instr(InstrKind.COMPUTE), Instr(InstrKind.STORE, Region(yt, win))]
-        cost = task_time_us(spec, xb * G + B * w * ys, 0.0, sms=s.sms)
+        cost = _local_cost(spec, s.sms, G, xb, B * w * ys)
         t = _task(s, lt if k == 0 else None, lt.body_kind, lt.ops, win, ins, cost)
         lpre = {0: [(a if e == arrive else e, th, p) for e, th, p in local.pre.get(0, [])]}
         lpost = {0: [(c if e == ack else e, p) for e, p in local.post.get(0, [])]}
