@@ -318,9 +318,9 @@ def _validated(graph: Graph, path, model_module, device, stack: contextlib.ExitS
     return srcs, wmap, handle
 
 
-def _check_poison(s: Source, t: torch.Tensor, poison: list[str] | None) -> None:
+def _check_poison(s: Source, t: torch.Tensor, poison: list[str] | None, origin=None) -> None:
     if poison is not None:
-        p = nonfinite_problem(s.name, t, scale=s.part is Part.scale)
+        p = nonfinite_problem(s.name, t, scale=s.part is Part.scale, origin=origin)
         if p:
             poison.append(f"{p} (graph weight {s.weight})")
 
@@ -363,10 +363,11 @@ def _read_cut(cut: Cut, srcs: list[Source], wmap, handle, device, poison: list[s
         d = cut.dim - 1 if stacked and cut.dim > 0 else (cut.dim if not stacked else -1)
         f = handle(wmap[s.name])
         if d < 0:
-            t = f.get_tensor(s.name)
+            t, origin = f.get_tensor(s.name), None
         else:
             t = f.get_slice(s.name)[(slice(None),) * d + (slice(cut.start, cut.start + cut.length),)]
-        _check_poison(s, t, poison)
+            origin = (0,) * d + (cut.start,) + (0,) * (t.dim() - d - 1)
+        _check_poison(s, t, poison, origin)     # indices named in the checkpoint tensor
         if not stacked:
             parts[s.part] = t
             continue
