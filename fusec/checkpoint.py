@@ -368,8 +368,8 @@ def _read_cut(cut: Cut, srcs: list[Source], wmap, handle, device, poison: list[s
             t = f.get_slice(s.name)[(slice(None),) * d + (slice(cut.start, cut.start + cut.length),)]
             origin = (0,) * d + (cut.start,) + (0,) * (t.dim() - d - 1)
         _check_poison(s, t, poison, origin)     # indices named in the checkpoint tensor
-        if not stacked:
-            parts[s.part] = t
+        if not stacked:   # .to: a no-op where safetensors already put the slice on the handle's device
+            parts[s.part] = t.to(device)
             continue
         slot = s.expert - cut.start if cut.dim == 0 else s.expert
         if s.part not in parts:

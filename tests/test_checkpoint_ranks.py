@@ -341,3 +341,17 @@ def test_nan_scale_of_one_ranks_expert(k3, tmp_path):
     msg = rank_error(k3, p, 0)
     assert f"tensor {name} has 1 E8M0 scale byte(s) 0xFF (NaN), first at [5, 1] " in msg
     assert msg == full_error(k3, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_load_to_gpu(k3, rank):
+    g, pg, folder, _ = k3
+    got = load_rank_checkpoint(g, pg, rank, folder, kimi_k3, device="cuda")
+    cpu = load_rank_checkpoint(g, pg, rank, folder, kimi_k3)
+    for n, t in got.tensors.items():
+        parts = (t.packed, t.scale) if isinstance(t, MXFP4Tensor) else (t,)
+        assert all(p.is_cuda for p in parts), n
+        back = MXFP4Tensor(t.packed.cpu(), t.scale.cpu()) if isinstance(t, MXFP4Tensor) else t.cpu()
+        assert same(back, cpu.tensors[n]), n
