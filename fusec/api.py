@@ -62,8 +62,8 @@ def _dist_cute_runner(program, weights, dims, device, precision, rank, group):
     return DistCuteRunner(program, weights, dims, device, precision, rank=rank, group=group)
 
 
-# ranks > 1: runner(program after the pipeline with Options(ranks=R), full weights, dims, device,
-# precision, this process's rank, process group) for one rank per process
+# ranks > 1: runner(program after the pipeline with Options(ranks=R), full weights or this rank's
+# RankWeights, dims, device, precision, this process's rank, process group), one rank per process
 RANK_BACKENDS = {"reference": _dist_reference_runner, "cute": _dist_cute_runner}
 
 
@@ -360,8 +360,9 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
     be initialized and hold `ranks` processes), the graph is sharded by the same pipeline as
     `fusec compile --ranks` and the returned step is THIS process's rank (`step.rank`): every
     process calls `compile` and then steps together (the collectives wait for every rank).
-    The full weights (the same seed gives the same on every process, as does one checkpoint)
-    are sliced per rank. Reference backend: collectives over the group (gloo on CPU, NCCL on
+    Random or dict weights are the full ones (the same seed gives the same on every process),
+    sliced per rank; a checkpoint is read rank by rank: each process reads only its own slices
+    of every tensor (`fusec.checkpoint.load_rank_checkpoint`, docs/checkpoints.md). Reference backend: collectives over the group (gloo on CPU, NCCL on
     CUDA); cute backend: one GPU per process (device "cuda" = cuda:LOCAL_RANK), arenas in
     symmetric memory (backends/cute/dist.py). NVLink multicast is kept off
     (backends/multicast.py).
@@ -397,22 +398,28 @@ def compile(model, config: str | None = None, *, backend: str = "reference", bat
     ckpt = weights if weights is not None and not isinstance(weights, dict) else None
     graph, module = load_graph(model, config, overrides, checkpoint=ckpt)
     verify_graph(graph)
+    program = None
+    if ranks > 1:       # sharded first: a checkpoint is read rank by rank (only this rank's slices)
+        from fusec.compiler import lower
+        from fusec.passes.options import Options
+        program = lower(graph, Options.from_env(ranks=ranks, batch=batch, max_len=max_len))
     if weights is None:
         rules = getattr(module, "WEIGHT_INIT", ()) if module else ()
         weights = random_weights(graph, seed, rules, device=device)
     elif not isinstance(weights, dict):
-        from fusec.checkpoint import load_checkpoint
+        from fusec.checkpoint import load_checkpoint, load_rank_checkpoint
         if module is None:
             raise ValueError("loading a checkpoint needs the model file (for its tensor names), not a .fir")
-        weights = load_checkpoint(graph, weights, module, device=device, allow_nonfinite=allow_nonfinite)
+        if program is not None:
+            weights = load_rank_checkpoint(graph, program.graph, rank, weights, module, device=device,
+                                           allow_nonfinite=allow_nonfinite)
+        else:
+            weights = load_checkpoint(graph, weights, module, device=device, allow_nonfinite=allow_nonfinite)
     elif not allow_nonfinite:
         check_finite_weights(weights, graph)
     dims = {"B": batch, "L": max_len}
     deferred = backend != "reference" and device.startswith("cuda")
-    if ranks > 1:
-        from fusec.compiler import lower
-        from fusec.passes.options import Options
-        program = lower(graph, Options.from_env(ranks=ranks, batch=batch, max_len=max_len))
+    if program is not None:
         runner = RANK_BACKENDS[backend](program, weights, dims, device, precision, rank, group)
         return CompiledStep(program.graph, runner, batch, max_len, device, check_finite=check_finite,
                             deferred=deferred)

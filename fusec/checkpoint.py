@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fusec.backends.reference.ranks import Cut, RankWeights, build_param
 from fusec.ir.graph import Graph
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.types import MXFP4_GROUP, DType
@@ -215,6 +216,51 @@ def load_checkpoint(graph: Graph, path, model_module, device="cpu", *, allow_non
     Poison stops here: a NaN or Inf in a float tensor, or an E8M0 scale byte 0xFF (NaN) in an
     mxfp4 tensor, is a CheckpointError naming the tensor, unless `allow_nonfinite`.
     """
+    with contextlib.ExitStack() as stack:
+        srcs, wmap, handle = _validated(graph, path, model_module, device, stack)
+        poison: list[str] = []
+        out = _read(graph, srcs, wmap, handle, device, None if allow_nonfinite else poison)
+        _raise_poison(path, poison)
+        return out
+
+
+def load_rank_checkpoint(graph: Graph, rank_graph: Graph, rank: int, path, model_module, device="cpu", *,
+                         allow_nonfinite: bool = False) -> RankWeights:
+    """Rank `rank`'s weights of the SPMD graph `rank_graph` (`graph` sharded by the pipeline with
+    `Options(ranks=R)`), reading only what this rank holds from the checkpoint at `path`.
+
+    Equal to `materialize_weights(rank_graph, load_checkpoint(graph, path, ...), rank, p)` for any
+    precision p once cast (the returned `RankWeights` keep the stored dtypes), without reading the
+    rest: each parameter's cuts (`param_cuts`, the slicing rules of backends/reference/ranks.py)
+    are read with `get_slice`; of an expert stack split over its expert dim, only this rank's
+    experts' tensors are opened. Validation is `load_checkpoint`'s (every header, every tensor
+    the full graph needs, before any data); the poison check covers what is read.
+    """
+    with contextlib.ExitStack() as stack:
+        srcs, wmap, handle = _validated(graph, path, model_module, device, stack)
+        by_weight: dict[str, list[Source]] = {}
+        for s in srcs:
+            by_weight.setdefault(s.weight, []).append(s)
+        meta = {v.name: (v.type.concrete({}), v.type.dtype is DType.mxfp4) for v in graph.weights()}
+        poison: list[str] | None = None if allow_nonfinite else []
+
+        def read(cut: Cut):
+            return _read_cut(cut, by_weight[cut.source], wmap, handle, device, poison)
+        out = {v.name: build_param(rank_graph, v.name, rank, meta.get, read) for v in rank_graph.weights()}
+        _raise_poison(path, poison or [])
+        return RankWeights(rank, out)
+
+
+def _raise_poison(path, poison: list[str]) -> None:
+    if poison:
+        more = f" (and {len(poison) - 1} more poisoned tensors)" if len(poison) > 1 else ""
+        raise CheckpointError(f"{os.fspath(path)}: {poison[0]}{more}; {ALLOW_HINT}")
+
+
+def _validated(graph: Graph, path, model_module, device, stack: contextlib.ExitStack):
+    """(sources, weight map, `handle(shard)` -> open safe_open) of a checkpoint whose index and
+    headers hold every tensor `graph` needs with its shape and dtype; CheckpointError otherwise.
+    No tensor data is read. The shards stay open until `stack` closes."""
     folder, wmap = _read_layout(path)
     where = os.fspath(path)
     srcs = sources(graph, model_module)
@@ -240,41 +286,43 @@ def load_checkpoint(graph: Graph, path, model_module, device="cpu", *, allow_non
                  and not any(fnmatch.fnmatchcase(t, p) for p in unused)]
     _raise(problems)
 
-    with contextlib.ExitStack() as stack:
-        handles: dict[str, object] = {}
+    handles: dict[str, object] = {}
 
-        def handle(shard: str):
-            if shard not in handles:
-                fp = os.path.join(folder, shard)
-                try:
-                    handles[shard] = stack.enter_context(safe_open(fp, framework="pt", device=str(device)))
-                except Exception as e:
-                    raise CheckpointError(f"{fp}: not a safetensors file ({str(e).splitlines()[0]})") from None
-            return handles[shard]
+    def handle(shard: str):
+        if shard not in handles:
+            fp = os.path.join(folder, shard)
+            try:
+                handles[shard] = stack.enter_context(safe_open(fp, framework="pt", device=str(device)))
+            except Exception as e:
+                raise CheckpointError(f"{fp}: not a safetensors file ({str(e).splitlines()[0]})") from None
+        return handles[shard]
 
-        keysets: dict[str, set] = {}
-        for s in srcs:   # validate every header first: no data is read from a bad checkpoint
-            shard = wmap[s.name]
-            f = handle(shard)
-            if shard not in keysets:
-                keysets[shard] = set(f.keys())
-            if s.name not in keysets[shard]:
-                problems.append(f"{where}: index puts tensor {s.name} in {shard}, which does not hold it")
-                continue
-            sl = f.get_slice(s.name)
-            shape, dt = tuple(sl.get_shape()), sl.get_dtype()
-            if shape != s.shape:
-                problems.append(f"{where}: tensor {s.name} has shape {_fmt(shape)}, expected {_fmt(s.shape)} "
-                                f"(graph weight {s.weight})")
-            elif dt != ST_DTYPES[s.dtype]:
-                problems.append(f"{where}: tensor {s.name} has dtype {dt}, expected {ST_DTYPES[s.dtype]} "
-                                f"(graph weight {s.weight})")
-        _raise(problems)
-        out = _read(graph, srcs, wmap, handle, device, None if allow_nonfinite else problems)
-        if problems:
-            more = f" (and {len(problems) - 1} more poisoned tensors)" if len(problems) > 1 else ""
-            raise CheckpointError(f"{where}: {problems[0]}{more}; {ALLOW_HINT}")
-        return out
+    keysets: dict[str, set] = {}
+    for s in srcs:   # validate every header first: no data is read from a bad checkpoint
+        shard = wmap[s.name]
+        f = handle(shard)
+        if shard not in keysets:
+            keysets[shard] = set(f.keys())
+        if s.name not in keysets[shard]:
+            problems.append(f"{where}: index puts tensor {s.name} in {shard}, which does not hold it")
+            continue
+        sl = f.get_slice(s.name)
+        shape, dt = tuple(sl.get_shape()), sl.get_dtype()
+        if shape != s.shape:
+            problems.append(f"{where}: tensor {s.name} has shape {_fmt(shape)}, expected {_fmt(s.shape)} "
+                            f"(graph weight {s.weight})")
+        elif dt != ST_DTYPES[s.dtype]:
+            problems.append(f"{where}: tensor {s.name} has dtype {dt}, expected {ST_DTYPES[s.dtype]} "
+                            f"(graph weight {s.weight})")
+    _raise(problems)
+    return srcs, wmap, handle
+
+
+def _check_poison(s: Source, t: torch.Tensor, poison: list[str] | None, origin=None) -> None:
+    if poison is not None:
+        p = nonfinite_problem(s.name, t, scale=s.part is Part.scale, origin=origin)
+        if p:
+            poison.append(f"{p} (graph weight {s.weight})")
 
 
 def _read(graph: Graph, srcs: list[Source], wmap, handle, device, poison: list[str] | None = None) -> dict:
@@ -284,10 +332,7 @@ def _read(graph: Graph, srcs: list[Source], wmap, handle, device, poison: list[s
     n_exp = {v.name: v.type.shape[0] for v in graph.weights()}
     for s in srcs:
         t = handle(wmap[s.name]).get_tensor(s.name)
-        if poison is not None:
-            p = nonfinite_problem(s.name, t, scale=s.part is Part.scale)
-            if p:
-                poison.append(f"{p} (graph weight {s.weight})")
+        _check_poison(s, t, poison)
         slot = parts.setdefault(s.weight, {})
         if s.expert is None:
             slot[s.part] = t
@@ -297,9 +342,41 @@ def _read(graph: Graph, srcs: list[Source], wmap, handle, device, poison: list[s
         slot[s.part][s.expert].copy_(t)
     out = {}
     for v in graph.weights():
-        p = parts[v.name]
-        out[v.name] = MXFP4Tensor(p[Part.packed], p[Part.scale]) if v.type.dtype is DType.mxfp4 else p[Part.whole]
+        out[v.name] = _assemble(parts[v.name])
     return out
+
+
+def _assemble(parts: dict):
+    """One graph weight from its parts: an MXFP4Tensor from packed and scale, else the tensor."""
+    return MXFP4Tensor(parts[Part.packed], parts[Part.scale]) if Part.packed in parts else parts[Part.whole]
+
+
+def _read_cut(cut: Cut, srcs: list[Source], wmap, handle, device, poison: list[str] | None):
+    """`cut` of one graph weight read from its checkpoint tensors `srcs` (validated): a tensor's
+    rows / columns through `get_slice`; of an expert stack, per expert tensor the cut one dim
+    lower, and for a cut of the expert dim itself only the experts in it, read whole."""
+    parts: dict[Part, torch.Tensor] = {}
+    stacked = srcs[0].expert is not None
+    for s in srcs:
+        if stacked and cut.dim == 0 and not cut.start <= s.expert < cut.start + cut.length:
+            continue    # another rank's expert: not opened
+        d = cut.dim - 1 if stacked and cut.dim > 0 else (cut.dim if not stacked else -1)
+        f = handle(wmap[s.name])
+        if d < 0:
+            t, origin = f.get_tensor(s.name), None
+        else:
+            t = f.get_slice(s.name)[(slice(None),) * d + (slice(cut.start, cut.start + cut.length),)]
+            origin = (0,) * d + (cut.start,) + (0,) * (t.dim() - d - 1)
+        _check_poison(s, t, poison, origin)     # indices named in the checkpoint tensor
+        if not stacked:   # .to: a no-op where safetensors already put the slice on the handle's device
+            parts[s.part] = t.to(device)
+            continue
+        slot = s.expert - cut.start if cut.dim == 0 else s.expert
+        if s.part not in parts:
+            n = cut.length if cut.dim == 0 else 1 + max(x.expert for x in srcs)
+            parts[s.part] = torch.empty((n, *t.shape), dtype=t.dtype, device=device)
+        parts[s.part][slot].copy_(t)
+    return _assemble(parts)
 
 
 # -- writing ------------------------------------------------------------------------------------

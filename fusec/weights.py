@@ -77,23 +77,26 @@ def random_weights(graph: Graph, seed: int = 0, rules=(), device="cpu") -> dict:
 E8M0_NAN = 0xFF   # the one E8M0 scale byte that is not a power of two: NaN
 
 
-def _first_index(mask: torch.Tensor) -> list[int]:
+def _first_index(mask: torch.Tensor, origin=None) -> list[int]:
     flat = int(torch.argmax(mask.reshape(-1).to(torch.uint8)))
-    return [int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape)] if mask.dim() else []
+    at = [int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape)] if mask.dim() else []
+    return [i + o for i, o in zip(at, origin)] if origin is not None else at
 
 
-def nonfinite_problem(name: str, t: torch.Tensor, *, scale: bool = False) -> str | None:
+def nonfinite_problem(name: str, t: torch.Tensor, *, scale: bool = False, origin=None) -> str | None:
     """One line saying how `t` is poisoned, or None when it is clean.
 
     `scale`: `t` holds MXFP4 E8M0 scale bytes (u8), where 0xFF means NaN. Otherwise a float
     tensor (bf16, f16, f32, fp8) is checked for NaN and +-Inf; other dtypes are never poisoned.
+    `origin`: where `t` starts in tensor `name` when it is a slice of it (one offset per dim), so
+    the first index named is the tensor's own.
     """
     if scale:
         bad = t == E8M0_NAN
         n = int(bad.sum())
         if n:
             return (f"tensor {name} has {n} E8M0 scale byte(s) 0xFF (NaN), first at "
-                    f"{_first_index(bad)}")
+                    f"{_first_index(bad, origin)}")
         return None
     if not t.is_floating_point():
         return None
@@ -104,7 +107,7 @@ def nonfinite_problem(name: str, t: torch.Tensor, *, scale: bool = False) -> str
     nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
     bad = ~torch.isfinite(t)
     what = ", ".join(s for s in (f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else "") if s)
-    return f"tensor {name} has non-finite values ({what}), first at {_first_index(bad)}"
+    return f"tensor {name} has non-finite values ({what}), first at {_first_index(bad, origin)}"
 
 
 ALLOW_HINT = "pass allow_nonfinite=True (--allow-nonfinite) to load it anyway"

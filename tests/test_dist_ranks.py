@@ -10,6 +10,11 @@ group (backends/reference/dist.py) and `fusec run --ranks 2` through torchrun (f
   the per-rank partial sums are rounded to bf16 before the all-reduce, and the random tiny K3 is
   chaotic: seen here, its first step's token differs for seed 0); bad input is one
   `fusec: error:` line, exit 2, no traceback, also when a child fails.
+- A checkpoint folder (K3 tiny in the published layout with mxfp4 experts, Llama tiny in HF
+  names): `fusec.compile(..., ranks=2, weights=folder)` reads only each rank's slices (counted at
+  `safe_open`: less than the whole, the two ranks together at least all of it) and steps to logits
+  and tokens bit-identical to the same run given the fully loaded weights (tests/
+  test_checkpoint_ranks.py checks the slices themselves).
 Nothing here touches a GPU: tests/gpu/test_cute_dist.py is the cute backend's check.
 """
 import os
@@ -60,6 +65,64 @@ def _worker(rank: int, init: str, out: str) -> None:
         res["errors"]["size"] = str(e)
     torch.save(res, f"{out}.{rank}")
     dist.destroy_process_group()
+
+
+def _ckpt_worker(rank: int, init: str, folders: dict, out: str) -> None:
+    """One rank: per model, the steps from `weights=folder` (and the bytes it read) and from the
+    fully loaded checkpoint handed over as a dict (and the bytes that load read)."""
+    import torch.distributed as dist
+
+    import fusec.checkpoint
+    from checkpoint_reads import install
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=R)
+    counter = install(fusec.checkpoint)
+    res = {}
+    for name, folder in folders.items():
+        module = MODELS[name]
+        path = f"models/{module.__name__.split('.')[-1]}.py"
+        counter.clear()
+        step = fusec.compile(path, "tiny", batch=B, max_len=L, ranks=R, weights=folder)
+        read = counter.total()
+        sliced = [(o.logits.clone(), o.next_tokens.clone()) for o in (step(t, p) for t, p in _inputs(step.vocab))]
+        counter.clear()
+        full = fusec.checkpoint.load_checkpoint(module.build_graph("tiny"), folder, module)
+        whole = counter.total()
+        step = fusec.compile(path, "tiny", batch=B, max_len=L, ranks=R, weights=full)
+        res[name] = {"sliced": sliced, "read": read, "whole": whole,
+                     "full": [(o.logits.clone(), o.next_tokens.clone()) for o in (step(t, p) for t, p in _inputs(step.vocab))]}
+    torch.save(res, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ckpt_out(tmp_path_factory):
+    from checkpoint_writer import write_k3_checkpoint
+    from fusec.checkpoint import write_checkpoint
+    d = tmp_path_factory.mktemp("distckpt")
+    folders = {}
+    for name, module in MODELS.items():
+        g, folders[name] = module.build_graph("tiny"), str(d / name)
+        w = random_weights(g, SEED, module.WEIGHT_INIT)
+        if module is kimi_k3:   # the published layout: per-expert mxfp4 tensors, vision tensors, 3 shards
+            write_k3_checkpoint(kimi_k3.get_config("tiny"), w, folders[name], shards=3)
+        else:
+            write_checkpoint(w, g, module, folders[name], shards=2)
+    mp.spawn(_ckpt_worker, args=(f"file://{d}/pg", folders, str(d / "out")), nprocs=R, join=True)
+    return [torch.load(d / f"out.{r}", weights_only=False) for r in range(R)]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_checkpoint_read_per_rank_steps_bit_identical(ckpt_out, name):
+    for r in range(R):
+        got = ckpt_out[r][name]
+        assert len(got["sliced"]) == STEPS
+        for s, ((lg, tk), (lf, tf)) in enumerate(zip(got["sliced"], got["full"])):
+            assert torch.isfinite(lg).all()
+            assert torch.equal(lg, lf) and torch.equal(tk, tf), f"rank {r} step {s}: slices read != full load"
+            assert torch.equal(lg, ckpt_out[0][name]["sliced"][s][0]), f"rank {r} step {s} differs from rank 0"
+        assert 0 < got["read"] < got["whole"], (got["read"], got["whole"])
+    # every byte of the checkpoint the graph needs is read by some rank; the split ones by one only
+    assert sum(ckpt_out[r][name]["read"] for r in range(R)) >= ckpt_out[0][name]["whole"]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ own rank's table (`lower_ranks(schedule)[r]`: one memory plan on every rank), th
   (`torch.distributed._symmetric_memory.empty`) and exchanges them with the group
   (`rendezvous(tensor, group)`, collective): the handle's `buffer_ptrs` are every rank's
   allocation as this process maps it (peer GPU memory over NVLink / PCIe P2P);
-- binds its weights (its slices of the full checkpoint) into its arena;
+- binds its weights (its slices of the full checkpoint, or `RankWeights` read as such) into its arena;
 - relocates its table with the peers' arena bases (`Lowered.plan(base, peer_bases)`, peer p =
   rank (r + p) % R, verified there), so a COMM PUSH row stores into the peer's arena;
 - builds its kernel over the symmetric event counters (`Megakernel(events=...)`) with the peers
@@ -59,7 +59,8 @@ class DistCuteRunner(CuteRunner):
     def __init__(self, program, weights: dict, dims: dict, device: str, precision: str, *, rank: int,
                  group=None, plan_options: dict | None = None, out_dir=None):
         """`program`: after the default pipeline with `Options(ranks=R)`; `weights`: the model
-        graph's full (unsharded) weights, the same on every rank (sliced here); `group`: the
+        graph's full (unsharded) weights, the same on every rank (sliced here), or this rank's
+        `RankWeights` (already sliced, e.g. read from a checkpoint: only cast); `group`: the
         torch.distributed process group of the R processes (None: the default group)."""
         import torch
         import torch.distributed as dist

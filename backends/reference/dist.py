@@ -2,7 +2,7 @@
 
 `DistReferenceRunner` runs THIS process's rank of the graph the shard pass produced (after
 `fusec.compiler.lower` with `Options(ranks=R)`): its weights are its slices of the full
-checkpoint (`materialize_weights`), its state its slices (zero at reset), and its ops the same
+checkpoint (`materialize_weights`; or read as such, `RankWeights`), its state its slices (zero at reset), and its ops the same
 loop as the one-process multi-rank oracle (`ranks.run_ops`): a non-collective op runs its
 registry reference under `as_rank(rank)`; a collective all-gathers every rank's operand (fp32:
 exact for bf16 and fp32 operands) over the process group and applies the op's `group_ref` to
@@ -42,7 +42,9 @@ class DistReferenceRunner:
     def __init__(self, graph: Graph, full_weights: dict, dims: dict, device: str, precision: str,
                  rank: int, ranks: int, group=None):
         """`graph`: the SPMD graph; `full_weights`: the model's full (unsharded) weights, the same
-        on every rank (sliced here); `group`: the torch.distributed group (None: the default)."""
+        on every rank (sliced here), or this rank's `RankWeights` (already sliced, e.g. read rank
+        by rank from a checkpoint: only cast); `group`: the torch.distributed group (None: the
+        default)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):

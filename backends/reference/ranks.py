@@ -14,7 +14,9 @@ Parameter annotations (printed after a param's type, see docs/passes.md):
   stride  = s            optional (default 1): the group's spacing; g * s = R, and rank r holds
                          slice r // s (its index in its group, see fusec/ir/ops/comm.py), so the
                          R / g groups (replicas) hold the same slices
-`materialize_weights` and `shard_state` apply them; a checkpoint loader does the same.
+`param_cuts` computes what a rank holds of each full tensor (the one place these rules live);
+`materialize_weights` and `shard_state` apply them to tensors in memory, and
+fusec/checkpoint.py's `load_rank_checkpoint` to a checkpoint's files (reading only those cuts).
 
 `run_step_ranks` evaluates ops in program order on every rank in lockstep: a non-collective op
 runs its registry reference once per rank (with `as_rank(r)` so rank-dependent ops see their
@@ -25,6 +27,7 @@ collectives' operands all-gathered over a torch.distributed group.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -38,35 +41,23 @@ from fusec.ir.types import Kind
 from .executor import ExecError, prepare_weights, store, torch_dtype
 
 
-def _narrow(t, dim: int, start: int, n: int):
-    if isinstance(t, MXFP4Tensor):
-        if dim % len(t.shape) == len(t.shape) - 1:
-            raise ExecError("cannot split an mxfp4 tensor along its packed (last) dim")
-        return MXFP4Tensor(t.packed.narrow(dim, start, n), t.scale.narrow(dim, start, n))
-    return t.narrow(dim, start, n)
+@dataclass(frozen=True)
+class Cut:
+    """What one rank holds of one full tensor `source`: entries [start, start + length) of dim
+    `dim` (dim -1: all of it). Computed by `param_cuts`, the one place the slicing rules live;
+    applied to tensors in memory here (`param_for_rank`) and to safetensors files by
+    fusec/checkpoint.py (`load_rank_checkpoint`)."""
+
+    source: str
+    dim: int = -1
+    start: int = 0
+    length: int = 0
 
 
-def _cat0(parts):
-    if len(parts) == 1:
-        return parts[0]
-    if any(isinstance(p, MXFP4Tensor) for p in parts):
-        return MXFP4Tensor(torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts]))
-    return torch.cat(parts, 0)
-
-
-def _slice_for_rank(t, dim: int, length: int, index: int, ranks: int, what: str):
-    """Slice `index` of `ranks` equal slices of dim `dim` (its first `length` entries if > 0)."""
-    if dim < 0 or ranks == 1:
-        return t
-    n = length or t.shape[dim]
-    if n % ranks:
-        raise ExecError(f"{what}: dim {dim} of length {n} does not split over {ranks} ranks")
-    step = n // ranks
-    return _narrow(t, dim, index * step, step)
-
-
-def param_for_rank(graph: Graph, name: str, full: Mapping, rank: int):
-    """Build parameter `name` of `graph` for `rank` from full (unsharded, unmerged) tensors."""
+def param_cuts(graph: Graph, name: str, rank: int, meta) -> list[Cut]:
+    """The cuts of the full tensors that make parameter `name` of `graph` on `rank`, in the order
+    they are concatenated (dim 0). `meta(source) -> (full shape, is mxfp4)`, None when there is
+    no such full tensor."""
     ann = graph.param_attrs.get(name, {})
     sources = list(ann.get("sources", (name,)))
     splits = list(ann.get("split", (-1,) * len(sources)))
@@ -75,16 +66,80 @@ def param_for_rank(graph: Graph, name: str, full: Mapping, rank: int):
     index = group_index(rank, ranks, int(ann.get("stride", 1)))
     if not (len(splits) == len(sources) == len(lens)):
         raise ExecError(f"parameter {name}: sources, split and split_len must have one entry per source")
-    parts = []
+    cuts = []
     for src, d, n in zip(sources, splits, lens):
-        if src not in full:
+        m = meta(src)
+        if m is None:
             raise ExecError(f"parameter {name}: missing full tensor {src}")
-        parts.append(_slice_for_rank(full[src], d, n, index, ranks, f"parameter {name} source {src}"))
-    return _cat0(parts)
+        if d < 0 or ranks == 1:
+            cuts.append(Cut(src))
+            continue
+        shape, mx = m
+        if mx and d % len(shape) == len(shape) - 1:
+            raise ExecError("cannot split an mxfp4 tensor along its packed (last) dim")
+        n = n or shape[d]
+        if n % ranks:
+            raise ExecError(f"parameter {name} source {src}: dim {d} of length {n} does not split over {ranks} ranks")
+        step = n // ranks
+        cuts.append(Cut(src, d, index * step, step))
+    return cuts
 
 
-def materialize_weights(graph: Graph, full: Mapping, rank: int = 0, precision: str = "fp32") -> dict:
-    """Every weight of `graph` for `rank`, built from the full checkpoint tensors and cast."""
+def build_param(graph: Graph, name: str, rank: int, meta, read):
+    """Parameter `name` for `rank`: `read(cut)` of each of its cuts (`param_cuts`), concatenated
+    along dim 0 (a merged parameter's sources)."""
+    return cat0([read(c) for c in param_cuts(graph, name, rank, meta)])
+
+
+def narrow(t, cut: Cut):
+    """`cut` of the full tensor (or MXFP4Tensor: packed and scale alike) `t` in memory (a view)."""
+    if cut.dim < 0:
+        return t
+    if isinstance(t, MXFP4Tensor):
+        return MXFP4Tensor(t.packed.narrow(cut.dim, cut.start, cut.length),
+                           t.scale.narrow(cut.dim, cut.start, cut.length))
+    return t.narrow(cut.dim, cut.start, cut.length)
+
+
+def cat0(parts):
+    if len(parts) == 1:
+        return parts[0]
+    if any(isinstance(p, MXFP4Tensor) for p in parts):
+        return MXFP4Tensor(torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts]))
+    return torch.cat(parts, 0)
+
+
+def full_meta(full: Mapping):
+    """`param_cuts`'s `meta` for full tensors in memory."""
+    def meta(src):
+        t = full.get(src)
+        return None if t is None else (tuple(t.shape), isinstance(t, MXFP4Tensor))
+    return meta
+
+
+def param_for_rank(graph: Graph, name: str, full: Mapping, rank: int):
+    """Build parameter `name` of `graph` for `rank` from full (unsharded, unmerged) tensors."""
+    return build_param(graph, name, rank, full_meta(full), lambda c: narrow(full[c.source], c))
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """Weights already sliced for rank `rank` of an SPMD graph (parameter name -> tensor or
+    MXFP4Tensor in its stored dtype, as `param_for_rank` builds them), e.g. read rank by rank
+    from a checkpoint (fusec/checkpoint.py `load_rank_checkpoint`); the runners take them in
+    place of full weights and only cast them."""
+
+    rank: int
+    tensors: Mapping
+
+
+def materialize_weights(graph: Graph, full, rank: int = 0, precision: str = "fp32") -> dict:
+    """Every weight of `graph` for `rank`, built from the full checkpoint tensors and cast;
+    `full` may be `RankWeights` of this rank (already sliced: only cast)."""
+    if isinstance(full, RankWeights):
+        if full.rank != rank:
+            raise ExecError(f"weights sliced for rank {full.rank} given to rank {rank}")
+        return prepare_weights(graph, full.tensors, precision)
     raw = {v.name: param_for_rank(graph, v.name, full, rank) for v in graph.weights()}
     return prepare_weights(graph, raw, precision)
 
