@@ -454,7 +454,7 @@ def write_checkpoint(weights, graph: Graph, model_module, path, shards: int = 1)
     for i in range(shards):
         fname = SINGLE_FILE if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         part = {s.name: _tensor_of(s, weights[s.weight]) for s in srcs[starts[i]:starts[i + 1]]}
-        _atomic(os.path.join(path, fname), lambda tmp: save_file(part, tmp, metadata={"format": "pt"}))
+        _atomic(os.path.join(path, fname), lambda tmp, part=part: save_file(part, tmp, metadata={"format": "pt"}))
         wmap.update({n: fname for n in part})
         files.append(fname)
         del part
