@@ -5,7 +5,8 @@ format" table in shared/models/KIMI_K3.md) with its shape and dtype for a K3Conf
 out here by hand from the table, independently of fusec.checkpoint, so the loader's naming is
 checked against the spec rather than against itself. `write_k3_checkpoint` writes a synthetic
 checkpoint in that exact format (shards, index json, per-expert MXFP4 tensors, vision tensors)
-with safetensors directly.
+with safetensors directly. `checkpoint_variant` copies a written checkpoint with an edited index
+or an extra shard (the error tests).
 """
 from __future__ import annotations
 
@@ -142,3 +143,21 @@ def write_k3_checkpoint(c, weights, folder, shards: int = 3, vision: bool = True
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
         json.dump(index, fh, indent=2)
     return index
+
+
+def checkpoint_variant(ckpt, tmp_path, edit_map=None, extra: dict | None = None, index_text: str | None = None):
+    """A copy of the checkpoint `ckpt` = (.., .., folder, index dict) in tmp_path: its shards
+    symlinked, the index's weight map edited by `edit_map(wm)` in place, `extra` tensors in an
+    extra shard, or the index replaced by `index_text`."""
+    _, _, folder, index = ckpt
+    for f in set(index["weight_map"].values()):
+        (tmp_path / f).symlink_to(folder / f)
+    wm = dict(index["weight_map"])
+    if extra:
+        save_file(extra, str(tmp_path / "extra.safetensors"))
+        wm.update({n: "extra.safetensors" for n in extra})
+    if edit_map:
+        edit_map(wm)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        index_text if index_text is not None else json.dumps({"weight_map": wm}))
+    return tmp_path

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from checkpoint_writer import VISION, k3_published_tensors, write_k3_checkpoint
+from checkpoint_writer import VISION, checkpoint_variant, k3_published_tensors, write_k3_checkpoint
 from fusec.backends.reference.executor import init_state, prepare_weights, run_step
 from fusec.checkpoint import CheckpointError, expected_tensors, load_checkpoint, write_checkpoint
 from fusec.ir.quant import MXFP4Tensor
@@ -123,19 +123,7 @@ def test_write_checkpoint_rejects_bad_weights(tiny, tmp_path):
 
 # -- errors: one line naming the tensor ----------------------------------------------------------
 
-def variant(tiny, tmp_path, edit_map=None, extra: dict | None = None, index_text: str | None = None):
-    """A copy of the tiny checkpoint (shards symlinked) with an edited index / an extra shard."""
-    _, _, folder, index = tiny
-    for f in set(index["weight_map"].values()):
-        (tmp_path / f).symlink_to(folder / f)
-    wm = dict(index["weight_map"])
-    if extra:
-        save_file(extra, str(tmp_path / "extra.safetensors"))
-        wm.update({n: "extra.safetensors" for n in extra})
-    if edit_map:
-        edit_map(wm)
-    (tmp_path / INDEX).write_text(index_text if index_text is not None else json.dumps({"weight_map": wm}))
-    return tmp_path
+variant = checkpoint_variant
 
 
 def load_error(g, path) -> str:

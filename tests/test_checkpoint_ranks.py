@@ -25,11 +25,10 @@ import types
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 import fusec.checkpoint as ckpt_mod
 from checkpoint_reads import ReadCounter
-from checkpoint_writer import write_k3_checkpoint
+from checkpoint_writer import checkpoint_variant, write_k3_checkpoint
 from fusec.backends.reference.executor import ExecError
 from fusec.backends.reference.ranks import RankWeights, materialize_weights, param_for_rank
 from fusec.checkpoint import CheckpointError, load_checkpoint, load_rank_checkpoint, write_checkpoint
@@ -265,19 +264,7 @@ def test_rank_weights_of_another_rank_are_refused(syn):
 
 # -- errors -------------------------------------------------------------------------------------
 
-def variant(k3, tmp_path, edit_map=None, extra: dict | None = None):
-    """A copy of the K3 tiny checkpoint (shards symlinked) with an edited index / an extra shard."""
-    _, _, folder, index = k3
-    for f in set(index["weight_map"].values()):
-        (tmp_path / f).symlink_to(folder / f)
-    wm = dict(index["weight_map"])
-    if extra:
-        save_file(extra, str(tmp_path / "extra.safetensors"))
-        wm.update({n: "extra.safetensors" for n in extra})
-    if edit_map:
-        edit_map(wm)
-    (tmp_path / INDEX).write_text(json.dumps({"weight_map": wm}))
-    return tmp_path
+variant = checkpoint_variant
 
 
 def rank_error(k3, path, rank) -> str:
