@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/ranks.py [--config slice4-e128] [--batches 1,4,16]
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/ranks.py \\
         --device cpu --backend reference --config tiny --batches 1,2 --rounds 1 --json /tmp/ranks.json  # smoke
+    python benchmarks/ranks.py --merge b1/ranks.json b4/ranks.json b16/ranks.json   # rows of several runs
 
 One process per GPU (cuda:LOCAL_RANK; NCCL for the collectives, a gloo group for the host-side
 barriers and result exchange); NVLink multicast off before the process group starts
@@ -31,7 +32,10 @@ else its `step()`; the baseline as its compiled call (`timer` in the row).
 Logits (one step from fresh state, same tokens): every rank's logits of a multi-rank variant
 must be bit-identical (`ranks_identical`); each variant's max |diff| / max |reference| against the
 single-process step (fusec R = 1 on rank 0; reported, not asserted: routing near-ties in bf16
-may pick other experts; LOGITS_TOL flags larger errors).
+may pick other experts, and the per-rank partial sums round to bf16 before each all-reduce;
+LOGITS_TOL flags larger errors); with `--rank-ref` (default on the CPU) fusec's R = 2 logits also
+against `run_step_ranks`, the one-process multi-rank reference that rounds where fusec's ranks do
+(`logits_rel_err_vs_rank_ref`; 0 on the reference backend, which computes the same bits).
 
 Exposed communication (cute backend): a profile build of each rank's multi-rank table (per-row
 globaltimer stamps: wait start, body start, body end; new symmetric event counters, both ranks
@@ -373,6 +377,23 @@ def bench_batch(args, ctl, cfg, model_graph, full, batch: int) -> list[dict]:
         same[name] = all(torch.equal(x, allr[0]) for x in allr)
         if ref is not None:
             errs[name] = float((mine - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    # the one-process multi-rank reference (run_step_ranks: every rank's ops in this process, the
+    # collectives exact) on rank 0: fusec's R = 2 steps round where it does (--rank-ref)
+    rerrs = {}
+    if args.rank_ref and "fusec_r2_gated" in steps:
+        if rank == 0:
+            from fusec.backends.reference.executor import init_state
+            from fusec.backends.reference.ranks import run_step_ranks
+            dims = {"B": batch, "L": args.pos + 1}
+            outs, _ = run_step_ranks(steps["fusec_r2_gated"].graph, full, args.ranks,
+                                     init_state(model_graph, dims, args.local_device, "bf16"),
+                                     {"tokens": tok, "pos": posv}, dims, "bf16")
+            want = outs[0][0].float().cpu()
+            for name in ("fusec_r2_gated", "fusec_r2_split_off"):
+                if name in logits:
+                    rerrs[name] = float((logits[name] - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                    print(f"  B={batch}: {name} logits rel err vs run_step_ranks {rerrs[name]:.2e}", flush=True)
+        ctl.barrier()
     if rank == 0:
         for name, e in errs.items():
             print(f"  B={batch}: {name} logits rel err vs fusec R=1 {e:.2e}"
@@ -436,7 +457,7 @@ def bench_batch(args, ctl, cfg, model_graph, full, batch: int) -> list[dict]:
                          ratio_vs_tp_baseline=round(t["tp_baseline"] / us, 3) if "tp_baseline" in t else None,
                          exposed_comm_fraction=round(exposed[name]["exposed_fraction"], 4) if name in exposed else None,
                          logits_rel_err=round(errs[name], 6) if name in errs else None,
-                         ranks_identical=same.get(name), timer=kinds.get(name, "step"),
+                         ranks_identical=same.get(name), logits_rel_err_vs_rank_ref=rerrs.get(name), timer=kinds.get(name, "step"),
                          rounds_us=[round(x, 1) for x in ts[name]], pos=args.pos, backend=args.backend,
                          exposed=exposed.get(name), **({"detail": info[name]} if name in info else {}),
                          device=args.device_name, torch=torch.__version__, date=args.date))
@@ -508,9 +529,30 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-mode", default="auto", choices=("auto", "reduce-overhead", "default"),
                     help="torch.compile mode of the baseline (auto: reduce-overhead, else default)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    ap.add_argument("--rank-ref", dest="rank_ref", action="store_true", default=None,
+                    help="also compare fusec's R = 2 logits with run_step_ranks (the one-process multi-rank "
+                         "reference) on rank 0 (default on the CPU; on CUDA it holds every rank's merged "
+                         "weights once more on rank 0's GPU)")
+    ap.add_argument("--no-rank-ref", dest="rank_ref", action="store_false")
     ap.add_argument("--no-profile", action="store_true", help="skip the exposed-communication profile builds")
     ap.add_argument("--json", default=None, help="result file (default docs/results/ranks.json on CUDA, none on the CPU)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no run: merge the rows of these result files (e.g. one device call per batch) into "
+                         "--json (default docs/results/ranks.json); the last file's header is kept")
     args = ap.parse_args(argv)
+    if args.merge:
+        docs = []
+        for path in args.merge:
+            with open(path) as f:
+                docs.append(json.load(f))
+        rows = {}
+        for d in docs:
+            for r in d["rows"]:
+                rows[(r.get("config"), r.get("batch"), r.get("ranks"), r.get("variant"))] = r
+        doc = write_json(args.json or DEFAULT_JSON, docs[-1]["header"], list(rows.values()))
+        print()
+        print(table(doc["rows"]))
+        return 0
 
     import torch.distributed as dist
     multicast_off()                                    # before NCCL or symmetric memory initialise
@@ -537,6 +579,7 @@ def main(argv=None) -> int:
     args.rounds = args.rounds or (7 if cuda else 1)
     args.reps = args.reps or (20 if cuda else 2)
     args.compile = cuda if args.compile is None else args.compile
+    args.rank_ref = (not cuda) if args.rank_ref is None else args.rank_ref
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
