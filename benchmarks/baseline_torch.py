@@ -514,8 +514,13 @@ class K3TorchStep(torch.nn.Module):
             partial = (partial.float() + ffn.float()).to(dt)
         h = self._attn_res(w.top.out_res_key, blocks, partial)
         hn = rms(h, w.top.norm, c.rms_eps).to(dt)
-        logits = self._mm32(hn, w.top.lm_head)
+        logits = self._logits(hn)
         return logits, logits.argmax(-1).to(torch.int32)
+
+    def _logits(self, hn: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, V] from the final normed hidden state (benchmarks/baseline_tp.py
+        gathers its vocabulary slices here)."""
+        return self._mm32(hn, self.w.top.lm_head)
 
 
 def compile_step(step: K3TorchStep, mode: str = "reduce-overhead"):

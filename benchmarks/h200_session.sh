@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/h200_session.sh speed model-k3 model-small tests compile
 #   SPEED_CONFIG=slice4-e128 bash benchmarks/h200_session.sh ratio      # benchmarks/speed.py, fusec vs the baseline
+#   RANKS_BATCHES=1 bash benchmarks/h200_session.sh ranks               # 2 GPUs: benchmarks/ranks.py (torchrun)
 #   MODEL_CASES=kimi_k3:tiny MODEL_BATCHES=1,16 bash benchmarks/h200_session.sh bodies model
 set -u
 [ -f .gpu-bundle/part2/install.sh ] && { bash .gpu-bundle/part2/install.sh || exit 3; }
@@ -40,6 +41,13 @@ for stage in "$@"; do
             grep -E "passed|failed|error|Error" "$OUT/pytest_bodies.log" | tail -20 ;;
     model) timeout 540 python3 benchmarks/cute_model.py --cases ${MODEL_CASES:-kimi_k3:tiny} --batches ${MODEL_BATCHES:-1,4,16} \
              --delay-cases ${MODEL_DELAY:-none} 2>&1 | grep -v Warning > "$OUT/model.log"; tail -14 "$OUT/model.log" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, bodies, model, model-k3, model-small, tests, compile)"; exit 2 ;;
+    ranks) # two GPUs (device kind nvidia-h200-x2): fusec R=2 (split_reduce gated / off) vs R=1 vs a TP=2 baseline;
+           # one batch per device call fits the 10-minute limit better (RANKS_BATCHES=1, then 4, then 16;
+           # merge the returned files with `python benchmarks/ranks.py --merge ...`)
+           NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 timeout 590 \
+             python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/ranks.py \
+             --config ${RANKS_CONFIG:-slice4-e128} --batches ${RANKS_BATCHES:-1,4,16} --rounds ${RANKS_ROUNDS:-5} \
+             --json "$OUT/ranks.json" ${RANKS_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/ranks.log" | tail -30 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile)"; exit 2 ;;
   esac
 done
