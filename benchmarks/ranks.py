@@ -55,11 +55,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -70,6 +68,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baseline_torch as bt  # noqa: E402  (benchmarks/baseline_torch.py)
 import baseline_tp as btp  # noqa: E402  (benchmarks/baseline_tp.py)
+from _step_args import add_step_args, cpu_name, resolve_step_args  # noqa: E402
 from _timing import median_us  # noqa: E402
 
 import fusec  # noqa: E402
@@ -513,19 +512,10 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=None, help="K3 config (default slice4-e128; tiny on the CPU)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config field override")
-    ap.add_argument("--batches", default=None, help="comma list (default 1,4,16; 1,2 on the CPU)")
-    ap.add_argument("--pos", type=int, default=None, help="decode position; max_len = pos + 1 (default 4095; 15 on the CPU)")
-    ap.add_argument("--device", default="cuda", help="cuda (one GPU per process) or cpu")
-    ap.add_argument("--backend", default=None, help="fusec backend (default cute; reference on the CPU)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7; 1 on the CPU)")
-    ap.add_argument("--reps", type=int, default=None, help="calls per timer per round (default 20; 2 on the CPU)")
-    ap.add_argument("--moe", default="auto", choices=("auto", "grouped", "dense", "gather"), help="baseline MoE path")
-    ap.add_argument("--seed", type=int, default=0, help="random weights seed")
-    ap.add_argument("--compile", dest="compile", action="store_true", default=None,
-                    help="compile the baseline (default on CUDA; the CPU default is eager: Inductor takes minutes there)")
-    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    add_step_args(ap, cpu_batches="1,2", cpu_pos=15, cpu_rounds=1, cpu_reps=2,
+                  moe_choices=("grouped", "dense", "gather"),
+                  compile_help="compile the baseline (default on CUDA; the CPU default is eager: Inductor takes "
+                               "minutes there)")
     ap.add_argument("--baseline-mode", default="auto", choices=("auto", "reduce-overhead", "default"),
                     help="torch.compile mode of the baseline (auto: reduce-overhead, else default)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
@@ -572,23 +562,14 @@ def main(argv=None) -> int:
     args.ranks = size
     args.local_device = f"cuda:{local}" if cuda else "cpu"
     args.fusec_device = "cuda" if cuda else "cpu"     # fusec.compile(ranks=R) maps "cuda" to cuda:LOCAL_RANK
-    args.config = args.config or ("slice4-e128" if cuda else "tiny")
-    args.batches = [int(b) for b in (args.batches or ("1,4,16" if cuda else "1,2")).split(",")]
-    args.pos = args.pos if args.pos is not None else (4095 if cuda else 15)
-    args.backend = args.backend or ("cute" if cuda else "reference")
-    args.rounds = args.rounds or (7 if cuda else 1)
-    args.reps = args.reps or (20 if cuda else 2)
-    args.compile = cuda if args.compile is None else args.compile
+    resolve_step_args(args, cuda, parse_overrides)
     args.rank_ref = (not cuda) if args.rank_ref is None else args.rank_ref
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variants {bad} (have {', '.join(VARIANTS)})")
-    args.overrides = parse_overrides(args.set)
-    args.config_label = args.config + "".join(f" {k}={v}" for k, v in args.overrides.items())
     args.device_name = (f"{size} x {torch.cuda.get_device_name(dev)}" if cuda
-                        else f"{size} processes on {platform.processor() or platform.machine()}")
-    args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+                        else f"{size} processes on {cpu_name()}")
     json_path = args.json or (DEFAULT_JSON if cuda else None)
     for k, v in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 1024)):
         if hasattr(torch._dynamo.config, k):

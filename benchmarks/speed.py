@@ -32,11 +32,9 @@ the baseline could not be compiled as one CUDA graph.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -46,6 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baseline_torch as bt  # noqa: E402  (benchmarks/baseline_torch.py)
+from _step_args import add_step_args, cpu_name, resolve_step_args  # noqa: E402
 from _timing import median_us  # noqa: E402  (benchmarks/_timing.py)
 
 import fusec  # noqa: E402
@@ -351,20 +350,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=None, help="K3 config (default slice4-e128; tiny on the CPU)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config field override")
-    ap.add_argument("--batches", default=None, help="comma list (default 1,4,16; 1,4 on the CPU)")
-    ap.add_argument("--pos", type=int, default=None, help="decode position; max_len = pos + 1 "
-                    "(default 4095; 31 on the CPU)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--backend", default=None, help="fusec backend (default cute; reference on the CPU)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7; 3 on the CPU)")
-    ap.add_argument("--reps", type=int, default=None, help="calls per timer per round (default 20; 5 on the CPU)")
-    ap.add_argument("--moe", default="auto", choices=("auto",) + bt.MOE_IMPLS, help="baseline MoE path")
-    ap.add_argument("--seed", type=int, default=0, help="random weights seed")
-    ap.add_argument("--compile", dest="compile", action="store_true", default=None,
-                    help="compile the baseline (default on CUDA; on the CPU: Inductor, no CUDA graphs)")
-    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    add_step_args(ap, cpu_batches="1,4", cpu_pos=31, cpu_rounds=3, cpu_reps=5, moe_choices=bt.MOE_IMPLS,
+                  compile_help="compile the baseline (default on CUDA; on the CPU: Inductor, no CUDA graphs)")
     ap.add_argument("--cdt", action="store_true", help="Inductor coordinate-descent tuning of the baseline's "
                     "Triton kernels (the GEMV reductions: what gpt-fast enables); longer compiles")
     ap.add_argument("--json", default=None, help=f"result file (default {os.path.relpath(DEFAULT_JSON, ROOT)} "
@@ -375,17 +362,8 @@ def main(argv=None) -> int:
     if cuda and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu --backend reference for the smoke run", file=sys.stderr)
         return 1
-    args.config = args.config or ("slice4-e128" if cuda else "tiny")
-    args.batches = [int(b) for b in (args.batches or ("1,4,16" if cuda else "1,4")).split(",")]
-    args.pos = args.pos if args.pos is not None else (4095 if cuda else 31)
-    args.backend = args.backend or ("cute" if cuda else "reference")
-    args.rounds = args.rounds or (7 if cuda else 3)
-    args.reps = args.reps or (20 if cuda else 5)
-    args.compile = cuda if args.compile is None else args.compile
-    args.overrides = parse_overrides(args.set)
-    args.config_label = args.config + "".join(f" {k}={v}" for k, v in args.overrides.items())
-    args.device_name = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
-    args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    resolve_step_args(args, cuda, parse_overrides)
+    args.device_name = torch.cuda.get_device_name() if cuda else cpu_name()
     json_path = args.json or (DEFAULT_JSON if cuda else None)
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 64       # one compile per batch and MoE candidate

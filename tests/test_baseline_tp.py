@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -117,8 +117,7 @@ def _worker(rank: int, init: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def tp_out(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp")
-    mp.spawn(_worker, args=(f"file://{d}/pg", str(d / "out")), nprocs=R, join=True)
-    return [torch.load(d / f"out.{r}", weights_only=False) for r in range(R)]
+    return spawn_ranks(_worker, d, R)
 
 
 def _rel(a, b):

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 
 import fusec
 from fusec.backends.multicast import MULTICAST_OFF
@@ -67,7 +67,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _ckpt_worker(rank: int, init: str, folders: dict, out: str) -> None:
+def _ckpt_worker(rank: int, init: str, out: str, folders: dict) -> None:
     """One rank: per model, the steps from `weights=folder` (and the bytes it read) and from the
     fully loaded checkpoint handed over as a dict (and the bytes that load read)."""
     import torch.distributed as dist
@@ -107,8 +107,7 @@ def ckpt_out(tmp_path_factory):
             write_k3_checkpoint(kimi_k3.get_config("tiny"), w, folders[name], shards=3)
         else:
             write_checkpoint(w, g, module, folders[name], shards=2)
-    mp.spawn(_ckpt_worker, args=(f"file://{d}/pg", folders, str(d / "out")), nprocs=R, join=True)
-    return [torch.load(d / f"out.{r}", weights_only=False) for r in range(R)]
+    return spawn_ranks(_ckpt_worker, d, R, folders)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -128,8 +127,7 @@ def test_checkpoint_read_per_rank_steps_bit_identical(ckpt_out, name):
 @pytest.fixture(scope="module")
 def ranks_out(tmp_path_factory):
     d = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(f"file://{d}/pg", str(d / "out")), nprocs=R, join=True)
-    return [torch.load(d / f"out.{r}", weights_only=False) for r in range(R)]
+    return spawn_ranks(_worker, d, R)
 
 
 def _rel(a, b):
