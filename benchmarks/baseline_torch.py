@@ -532,6 +532,24 @@ def compile_step(step: K3TorchStep, mode: str = "reduce-overhead"):
     return torch.compile(step, mode=mode, fullgraph=True, dynamic=False)
 
 
+def step_call(step, compiled=None, cuda: bool = False):
+    """(tokens, positions) -> (logits, next) under no_grad: `compiled` (from compile_step) when
+    given, each call marking a new CUDA-graph step on CUDA; else the eager `step`. Keeps no
+    reference to CUDA-graph memory between calls (callers clone what they keep)."""
+    if compiled is None:
+        def eager(tok, pos):
+            with torch.no_grad():
+                return step(tok, pos)
+        return eager
+
+    def graphed(tok, pos):
+        if cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            return compiled(tok, pos)
+    return graphed
+
+
 def from_weights(cfg, weights: MutableMapping, batch: int, max_len: int, *, moe: str | None = None,
                  share: bool = False, graph=None, ctx: int | None = None) -> K3TorchStep:
     """K3TorchStep on weights bound from a fusec weight dict."""

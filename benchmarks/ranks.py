@@ -209,19 +209,7 @@ def fusec_timer(step):
 
 def baseline_call(step, mode: str | None, cuda: bool):
     """(tokens, positions) -> (logits, next) of the TP step: compiled with `mode` (None: eager)."""
-    if mode is None:
-        def eager(tok, pos):
-            with torch.no_grad():
-                return step(tok, pos)
-        return eager
-    cfn = bt.compile_step(step, mode=mode)
-
-    def compiled(tok, pos):
-        if cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad():
-            return cfn(tok, pos)
-    return compiled
+    return bt.step_call(step, None if mode is None else bt.compile_step(step, mode=mode), cuda)
 
 
 def warm(fn, tok, pos, cuda: bool, mode: str | None) -> float:

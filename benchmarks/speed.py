@@ -167,21 +167,12 @@ def baseline_fn(step, compile_: bool, cuda: bool):
     """A callable (tokens, positions) -> (logits, next) that keeps no reference to CUDA-graph
     memory between calls (outputs are cloned only by callers that keep them)."""
     if not compile_:
-        def eager(tok, pos):
-            with torch.no_grad():
-                return step(tok, pos)
-        return eager
+        return bt.step_call(step)
     try:
         cfn = bt.compile_step(step, mode="reduce-overhead" if cuda else "default")
     except Exception as e:
         raise BaselineCompileError(f"torch.compile setup failed: {type(e).__name__}: {e}") from e
-
-    def compiled(tok, pos):
-        if cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad():
-            return cfn(tok, pos)
-    return compiled
+    return bt.step_call(step, cfn, cuda)
 
 
 def warm_baseline(fn, tok, pos, cuda: bool) -> float:
