@@ -140,6 +140,11 @@ class _Forked:
         os.close(w)
         self._pipe = os.fdopen(r, "rb")
 
+    @property
+    def pid(self) -> int:
+        """The child's process id (waited for by `result` and `cancel`)."""
+        return self._pid
+
     def result(self):
         data = self._pipe.read()
         self._pipe.close()
