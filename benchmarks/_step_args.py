@@ -1,7 +1,7 @@
 """The command line the whole-step benchmarks share (speed.py, ranks.py): which K3 config and
 batches, at which position, on which device and fusec backend, how many timing rounds, the
 baseline's MoE path and compile switch; and their defaults, which differ between a CUDA run and
-the CPU smoke run."""
+the CPU smoke run; the run's header line and the cleanup between batches."""
 from __future__ import annotations
 
 import datetime
@@ -42,6 +42,25 @@ def resolve_step_args(args, cuda: bool, parse_overrides) -> None:
     args.overrides = parse_overrides(args.set)
     args.config_label = args.config + "".join(f" {k}={v}" for k, v in args.overrides.items())
     args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def banner(args, torch_version: str) -> str:
+    """The first words of a run's header line: device, torch, config, position, fusec backend and
+    how the baseline runs (each script appends its own details)."""
+    return (f"{args.device_name}, torch {torch_version}, {args.config_label}, position {args.pos}, "
+            f"fusec backend {args.backend}, baseline {'compiled' if args.compile else 'eager'}")
+
+
+def free_batch_memory(cuda: bool) -> None:
+    """Between batches: drop Dynamo's compiled graphs and the batch's buffers, so the next batch
+    compiles and allocates from a clean slate (one batch's CUDA graphs pin GBs)."""
+    import gc
+
+    import torch
+    torch._dynamo.reset()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def cpu_name() -> str:

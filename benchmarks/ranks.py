@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import shlex
@@ -68,7 +67,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baseline_torch as bt  # noqa: E402  (benchmarks/baseline_torch.py)
 import baseline_tp as btp  # noqa: E402  (benchmarks/baseline_tp.py)
-from _step_args import add_step_args, cpu_name, resolve_step_args  # noqa: E402
+from _step_args import add_step_args, banner, cpu_name, free_batch_memory, resolve_step_args  # noqa: E402
 from _timing import median_us  # noqa: E402
 
 import fusec  # noqa: E402
@@ -567,8 +566,7 @@ def main(argv=None) -> int:
     graph, module = load_graph(model_path(), args.config, args.overrides)
     full = random_weights(graph, args.seed, getattr(module, "WEIGHT_INIT", ()), device=args.local_device)
     if rank == 0:
-        print(f"{args.device_name}, torch {torch.__version__}, {args.config_label}, position {args.pos}, R = {size}, "
-              f"fusec backend {args.backend}, baseline {'compiled' if args.compile else 'eager'}; "
+        print(f"{banner(args, torch.__version__)}, R = {size}; "
               f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
     rows, status = [], 0
     for b in args.batches:
@@ -581,10 +579,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             status = 1
         finally:
-            torch._dynamo.reset()
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            free_batch_memory(cuda)
     if rank == 0 and rows:
         header = dict(device=args.device_name, torch=torch.__version__, date=args.date, ranks=size,
                       command="torchrun --nproc-per-node %d " % size + " ".join(

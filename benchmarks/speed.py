@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baseline_torch as bt  # noqa: E402  (benchmarks/baseline_torch.py)
-from _step_args import add_step_args, cpu_name, resolve_step_args  # noqa: E402
+from _step_args import add_step_args, banner, cpu_name, free_batch_memory, resolve_step_args  # noqa: E402
 from _timing import median_us  # noqa: E402  (benchmarks/_timing.py)
 
 import fusec  # noqa: E402
@@ -377,8 +377,7 @@ def main(argv=None) -> int:
                             f"'{'reduce-overhead' if cuda else 'default'}', fullgraph=True, dynamic=False)")
                   if args.compile else "benchmarks/baseline_torch.py eager",
                   inductor_cdt=bool(args.cdt), fp32_out_mm=bool(wmod.fp32_out), grouped_mm=bt.grouped_mm_available(args.device))
-    print(f"device {args.device_name}, torch {torch.__version__}, {args.config_label}, position {args.pos}, "
-          f"fusec backend {args.backend}, baseline {'compiled' if args.compile else 'eager'} "
+    print(f"device {banner(args, torch.__version__)} "
           f"(fp32-out matmul: {wmod.fp32_out}, torch._grouped_mm: {bt.grouped_mm_available(args.device)})", flush=True)
 
     rows, status = [], 0
@@ -394,10 +393,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             status = max(status, 1)
         finally:
-            torch._dynamo.reset()
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            free_batch_memory(cuda)
     if rows:
         doc = write_json(json_path, header, rows, not args.no_merge) if json_path else {"header": header, "rows": rows}
         if os.environ.get("OUT"):   # the GPU machine returns only files under $OUT
