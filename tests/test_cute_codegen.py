@@ -101,6 +101,22 @@ def test_audit_synthetic_ptx():
     assert audit_ptx(fenced_signal).ok
 
 
+def test_audit_counts_async_copies_from_global_as_data_loads():
+    """cp.async / cp.async.bulk from global memory read data like a load (the expert body's weight
+    ring, MLA's cache stages): after a relaxed spin they need the fence; the L2 prefetch does not."""
+    load = " ld.global.v4.b32 {%r2, %r3, %r4, %r5}, [%rd2];"
+    for copy in (" cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r7], [%rd2], 256, [%r8];",
+                 " cp.async.cg.shared.global [%r7], [%rd2], 16;"):
+        assert load in SYNTH_OK
+        ptx = SYNTH_OK.replace(load, copy)
+        assert audit_ptx(ptx).ok
+        relaxed = ptx.replace("ld.acquire.gpu.global.b32", "ld.relaxed.gpu.global.b32")
+        assert any(v.startswith("P1") and "asynchronous copy" in v for v in audit_ptx(relaxed).violations)
+    prefetch = SYNTH_OK.replace(load, " cp.async.bulk.prefetch.L2.global [%rd2], 256;").replace(
+        "ld.acquire.gpu.global.b32", "ld.relaxed.gpu.global.b32")
+    assert not any(v.startswith("P1") for v in audit_ptx(prefetch).violations)
+
+
 @pytest.fixture(scope="module")
 def cutlass_available():
     pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl==4.8.1 not installed")
@@ -144,6 +160,20 @@ def test_all_bodies_compile_for_sm90a_and_pass_audit(cutlass_available, tmp_path
     assert "shfl.sync.bfly" in ptx  # router argmax and warp reductions
     assert "cvt.f32.f16" in ptx  # MXFP4 f16 decode
     assert "bar.sync" in ptx or "barrier.sync" in ptx  # KDA / ATTN_RES / ROUTER block reductions
+
+
+def test_expert_tables_fit_the_scratch(cutlass_available, tmp_path):
+    """EXPERT_BF16's shared tables at batch 16 without another body raising the scratch: five
+    fp32 tables by pair and the Int16 members by (group, column), where a group index can reach
+    the pair count (the scratch was sized 6 x pairs + 1 words, too small for that table)."""
+    from fusec.backends.cute.codegen import load_module, write_module
+
+    tasks = (TaskRow(Opcode.EXPERT_BF16, 0, n1=16, k=3584, p0=1, p1=16, p2=1),)
+    plan = KernelPlan(tasks=tasks, queues=((0,),), num_events=1, batch=16, name="experts")
+    mod = load_module(write_module(plan, tmp_path))
+    pairs = mod.EXPERT_MAX_PAIRS
+    assert pairs == 16 * 32 and mod.MMA_COLS == 16
+    assert 4 * mod.SCRATCH_F32 >= 4 * 5 * pairs + 2 * pairs * mod.MMA_COLS
 
 
 def test_expert_and_ew_rows_encode_subops():

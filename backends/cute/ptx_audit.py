@@ -5,7 +5,8 @@ program-text order, function by function:
 
   P1 every spin-wait load is an acquire (`ld.acquire.gpu` / `ld.global.acquire`), or a strong
      relaxed/volatile load followed by `fence.acq_rel` / `fence.sc` before the next ordinary
-     global load (the first load that could read produced data);
+     global load or asynchronous copy from global memory (`cp.async`, `cp.async.bulk`: the
+     first load that could read produced data);
   P2 every atomic (`atom.*`, `red.*`; the event signal is one) is `.release` / `.acq_rel`, or
      a fence stands between the last ordinary global store and it; a strong `st.relaxed`
      used as a signal needs the same fence, `st.release` passes;
@@ -82,6 +83,12 @@ def _is_global_load(op: str) -> bool:
     return op.startswith("ld.") and ".global" in op or op.startswith("ld.global")
 
 
+def _is_async_global_read(op: str) -> bool:
+    """cp.async / cp.async.bulk(.tensor) from global memory: a data load the issuing thread
+    starts now (the L2 prefetch forms write nothing a thread reads, so they are not)."""
+    return op.startswith("cp.async") and ".global" in op and "prefetch" not in op.split(".")
+
+
 def _strength(op: str) -> str:
     """'acquire', 'relaxed' (strong non-acquire) or 'weak' for a load or store opcode."""
     parts = set(op.split("."))
@@ -135,6 +142,16 @@ def audit_ptx(ptx: str, *, expect_signals: bool = True, expect_sys: bool = False
                             f"P4 line {m}: relaxed system-scope load is not acquire and no fence.acq_rel.sys/"
                             f"fence.sc.sys precedes the data load at line {n}")
                     pending_loads, pending_sys = [], []
+            elif _is_async_global_read(op) and (pending_loads or pending_sys):
+                for m in pending_loads:
+                    rep.violations.append(
+                        f"P1 line {m}: relaxed spin load is not acquire and no fence.acq_rel/"
+                        f"fence.sc precedes the asynchronous copy at line {n}")
+                for m in pending_sys:
+                    rep.violations.append(
+                        f"P4 line {m}: relaxed system-scope load is not acquire and no fence.acq_rel.sys/"
+                        f"fence.sc.sys precedes the asynchronous copy at line {n}")
+                pending_loads, pending_sys = [], []
             elif op.startswith(("atom.", "red.")):
                 if _strength(op) == "release" or ".acq_rel" in op:
                     rep.release_signals += 1
