@@ -162,6 +162,45 @@ def test_all_bodies_compile_for_sm90a_and_pass_audit(cutlass_available, tmp_path
     assert "bar.sync" in ptx or "barrier.sync" in ptx  # KDA / ATTN_RES / ROUTER block reductions
 
 
+def _expert_plan(ks, *, threads=512, batch=16, stream="ring") -> KernelPlan:
+    tasks = tuple(TaskRow(Opcode.EXPERT_BF16, i, n1=16, k=k, p0=1, p1=16, p2=1) for i, k in enumerate(ks))
+    return KernelPlan(tasks=tasks, queues=(tuple(range(len(ks))),), num_events=1, batch=batch,
+                      threads=threads, expert_stream=stream, name="experts")
+
+
+def test_expert_ring_stage_bytes():
+    """The ring body's row bytes per stage divide every EXPERT_BF16 row's K in bytes; its stages
+    keep all warps' rings within 128 KB (K3: latent 3584 and expert inter 3072 columns)."""
+    assert _expert_plan((3584, 3072)).expert_ring == (256, 2)
+    assert _expert_plan((3584, 3072), threads=256).expert_ring == (256, 4)
+    assert _expert_plan((3584, 64)).expert_ring == (128, 4)
+    assert _expert_plan((3584, 96)).expert_ring == (64, 8)      # 192 bytes: only 64 divides it
+    assert _expert_plan((3584, 3072), threads=1024).expert_ring == (256, 2)   # at least two stages
+    with pytest.raises(ValueError, match="expert_stream"):
+        _expert_plan((3584,), stream="tma")
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_expert_ring_body_compiles_and_fits(cutlass_available, tmp_path, batch):
+    """The ring body (expert_stream="ring") for sm_90a: bulk copies completing on mbarriers, the
+    PTX audit passes with the copies counted as data loads, and tables + rings fit the 227 KB of
+    shared memory a CTA may have."""
+    from fusec.backends.cute.codegen import load_module, write_module
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    plan = _expert_plan((3584, 3072), batch=batch)
+    mod = load_module(write_module(plan, tmp_path / "src"))
+    ring = mod.NUM_WARPS * mod.EXPERT_STAGES * 16 * mod.EXPERT_RB
+    assert (mod.EXPERT_RB, mod.EXPERT_STAGES) == plan.expert_ring and ring <= 128 * 1024
+    assert 4 * mod.SCRATCH_F32 >= 4 * mod.EXPERT_TAB_F32 + ring and mod.SMEM_BYTES <= 227 * 1024
+    rep = audit_plan(plan, tmp_path / "build")
+    assert rep.ok, rep.violations
+    ptx = next((tmp_path / "build").rglob("*.ptx")).read_text()
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "mbarrier.try_wait.parity" in ptx and "mbarrier.inval" in ptx
+    assert "cp.async.bulk.shared" not in render(_expert_plan((3584, 3072), batch=batch, stream="regs"))
+
+
 def test_expert_tables_fit_the_scratch(cutlass_available, tmp_path):
     """EXPERT_BF16's shared tables at batch 16 without another body raising the scratch: five
     fp32 tables by pair and the Int16 members by (group, column), where a group index can reach

@@ -421,6 +421,12 @@ class KernelPlan:
     # Off: at 2 the slice4-e128 step measured 2-6% slower on the H200 (3728 / 7031 / 15627 us
     # at B = 1 / 4 / 16 against 3637 / 6644 / 15162 in the run before, baselines within 3%).
     l2_ahead: int = 0
+    # EXPERT_BF16 weight streaming: "regs" (16-byte register loads, UNROLL chunks in flight) or
+    # "ring" (cp.async.bulk into a per-warp shared-memory ring, expert_ring; no registers hold the
+    # bytes in flight). Slower so far: slice4-e128 B = 4 on the H200 5501 against 5200 us, the
+    # experts 3.50 / 3.29 TB/s (stop 16, docs/results/expert_ring_body_stop16.md), hence the
+    # register default; `benchmarks/plan_variants.py --variants expert_stream=ring` measures it.
+    expert_stream: str = "regs"
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -453,6 +459,8 @@ class KernelPlan:
             raise ValueError(f"mma_tiles_per_unit {self.mma_tiles_per_unit} must be 1, 2 or 4")
         if not 1 <= self.mla_head_tiles <= 4:
             raise ValueError(f"mla_head_tiles {self.mla_head_tiles} must be 1..4")
+        if self.expert_stream not in ("regs", "ring"):
+            raise ValueError(f"expert_stream {self.expert_stream!r} must be 'regs' or 'ring'")
         if self.mxfp4_decode not in ("f16", "lut"):
             raise ValueError(f"mxfp4_decode {self.mxfp4_decode!r} must be 'f16' or 'lut'")
         if self.threads % 32 or not 32 <= self.threads <= 1024:
@@ -553,6 +561,19 @@ class KernelPlan:
         on the critical path once per MoE layer)."""
         widest = max((t.k for t in self.tasks if t.opcode == Opcode.ROUTER), default=0)
         return min(ROUTER_PER_LANE, max(1, -(-widest // 32)))
+
+    @property
+    def expert_ring(self) -> tuple[int, int]:
+        """(bytes of a weight row per stage, stages) of the "ring" EXPERT_BF16 body: the widest of
+        256 / 128 / 64 bytes dividing every EXPERT_BF16 row's K in bytes, and as many stages (2 to
+        8) as fit all warps' rings in 128 KB (with the MLA body's 160 KB of scratch, the kernel's
+        shared memory, and so its L1, stays as it was). A load-only microbenchmark on the H200
+        streamed 256-byte row copies with two 128 KB stages at 4.31 TB/s, 128-byte ones at 3.60
+        (docs/results/tma_stream_microbench_h200_stop16.md)."""
+        ks = [t.k for t in self.tasks if t.opcode == Opcode.EXPERT_BF16]
+        rb = next(r for r in (256, 128, 64) if all(2 * k % r == 0 for k in ks))
+        stages = 128 * 1024 // ((self.threads // 32) * 16 * rb)
+        return rb, max(2, min(8, stages))
 
     @property
     def kda_head_dim(self) -> int:

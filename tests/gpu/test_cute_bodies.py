@@ -22,8 +22,10 @@ def ref(name, args, **attrs):
     return get_op(name).ref(list(args), attrs)
 
 
+@pytest.mark.parametrize("stream", ["regs", "ring"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_k3_bodies_match_registry(batch):
+def test_k3_bodies_match_registry(batch, stream):
+    """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream)."""
     gen = torch.Generator(device="cuda").manual_seed(batch)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     e, d, inter, k = 8, 256, 128, 4
@@ -66,7 +68,7 @@ def test_k3_bodies_match_registry(batch):
     tasks += [wl.ew_task(EwOp.RMS, xl, rms_o, 403, c=gl, head_dim=3584, eps=1e-6),
               wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 404, c=gl[1:], head_dim=3583, eps=1e-6)]
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
-                      batch=batch, threads=256, name=f"k3b_b{batch}")
+                      batch=batch, threads=256, expert_stream=stream, name=f"k3b_b{batch}_{stream}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
