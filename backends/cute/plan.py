@@ -424,8 +424,10 @@ class KernelPlan:
     # EXPERT_BF16 weight streaming: "regs" (16-byte register loads, UNROLL chunks in flight) or
     # "ring" (cp.async.bulk into a per-warp shared-memory ring, expert_ring; no registers hold the
     # bytes in flight). Slower so far: slice4-e128 B = 4 on the H200 5501 against 5200 us, the
-    # experts 3.50 / 3.29 TB/s (stop 16, docs/results/expert_ring_body_stop16.md), hence the
-    # register default; `benchmarks/plan_variants.py --variants expert_stream=ring` measures it.
+    # experts 3.50 / 3.29 TB/s (stop 16, commit 8134e7a; docs/results/expert_ring_body_stop16.md),
+    # hence the register default. Since that run the ring body loads an item's activation
+    # fragments before the stage's wait (not measured yet);
+    # `benchmarks/plan_variants.py --variants expert_stream=ring` measures it.
     expert_stream: str = "regs"
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
