@@ -103,6 +103,16 @@ def _is_sys(op: str) -> bool:
     return "sys" in op.split(".")
 
 
+def _unfenced(rep: AuditReport, loads: list[int], sys_loads: list[int], reader: str) -> None:
+    """P1 / P4 violations: relaxed spin loads (lines) not fenced before `reader` reads data."""
+    for m in loads:
+        rep.violations.append(f"P1 line {m}: relaxed spin load is not acquire and no fence.acq_rel/"
+                              f"fence.sc precedes {reader}")
+    for m in sys_loads:
+        rep.violations.append(f"P4 line {m}: relaxed system-scope load is not acquire and no "
+                              f"fence.acq_rel.sys/fence.sc.sys precedes {reader}")
+
+
 def audit_ptx(ptx: str, *, expect_signals: bool = True, expect_sys: bool = False) -> AuditReport:
     """Check P1-P4 on PTX text; see the module docstring."""
     rep = AuditReport(violations=[])
@@ -133,24 +143,10 @@ def audit_ptx(ptx: str, *, expect_signals: bool = True, expect_sys: bool = False
                     if _is_sys(op):
                         pending_sys.append(n)
                 elif _is_global_load(op) and (pending_loads or pending_sys):
-                    for m in pending_loads:
-                        rep.violations.append(
-                            f"P1 line {m}: relaxed spin load is not acquire and no fence.acq_rel/"
-                            f"fence.sc precedes the data load at line {n}")
-                    for m in pending_sys:
-                        rep.violations.append(
-                            f"P4 line {m}: relaxed system-scope load is not acquire and no fence.acq_rel.sys/"
-                            f"fence.sc.sys precedes the data load at line {n}")
+                    _unfenced(rep, pending_loads, pending_sys, f"the data load at line {n}")
                     pending_loads, pending_sys = [], []
             elif _is_async_global_read(op) and (pending_loads or pending_sys):
-                for m in pending_loads:
-                    rep.violations.append(
-                        f"P1 line {m}: relaxed spin load is not acquire and no fence.acq_rel/"
-                        f"fence.sc precedes the asynchronous copy at line {n}")
-                for m in pending_sys:
-                    rep.violations.append(
-                        f"P4 line {m}: relaxed system-scope load is not acquire and no fence.acq_rel.sys/"
-                        f"fence.sc.sys precedes the asynchronous copy at line {n}")
+                _unfenced(rep, pending_loads, pending_sys, f"the asynchronous copy at line {n}")
                 pending_loads, pending_sys = [], []
             elif op.startswith(("atom.", "red.")):
                 if _strength(op) == "release" or ".acq_rel" in op:
