@@ -8,6 +8,7 @@
 #   SPEED_CONFIG=slice4-e128 bash benchmarks/h200_session.sh ratio      # benchmarks/speed.py, fusec vs the baseline
 #   RANKS_BATCHES=1 bash benchmarks/h200_session.sh ranks               # 2 GPUs: benchmarks/ranks.py (torchrun)
 #   MODEL_CASES=kimi_k3:tiny MODEL_BATCHES=1,16 bash benchmarks/h200_session.sh bodies model
+#   PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 bash benchmarks/h200_session.sh variants
 set -u
 [ -f .gpu-bundle/part2/install.sh ] && { bash .gpu-bundle/part2/install.sh || exit 3; }
 export PYTHONPATH=/tmp/fusec-pkg:/tmp/fusec-site:/tmp/fusec-site/nvidia_cutlass_dsl/dsl_packages
@@ -48,6 +49,13 @@ for stage in "$@"; do
              python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/ranks.py \
              --config ${RANKS_CONFIG:-slice4-e128} --batches ${RANKS_BATCHES:-1,4,16} --rounds ${RANKS_ROUNDS:-5} \
              --json "$OUT/ranks.json" ${RANKS_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/ranks.log" | tail -30 ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile)"; exit 2 ;;
+    variants) # KernelPlan variants against the default build, one batch per run (plan_variants.py):
+              # PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 bash benchmarks/h200_session.sh variants
+              pb=${PLAN_BATCHES:-16,4,1}
+              for b in ${pb//,/ }; do
+                timeout 280 python3 benchmarks/plan_variants.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
+                  --variants "${PLAN_VARIANTS:-expert_stream=ring}" --rounds ${PLAN_ROUNDS:-3} 2>&1 | grep -v Warn
+              done | tee "$OUT/plan_variants.log" | grep -E "^\||built" ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants)"; exit 2 ;;
   esac
 done
