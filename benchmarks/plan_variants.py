@@ -27,6 +27,10 @@ from _timing import median_us  # benchmarks/_timing.py (this script's folder)
 
 def _value(plan, field: str, text: str):
     cur = getattr(plan, field)
+    if isinstance(cur, bool):     # bool("False") is True
+        if text not in ("True", "False"):
+            raise SystemExit(f"plan_variants: error: {field} takes True or False, not {text!r}")
+        return text == "True"
     return type(cur if cur is not None else 0)(text)
 
 

@@ -50,9 +50,11 @@ def test_k3_bodies_match_registry(batch, stream):
         tasks += wl.expert_glu_tasks(x, ids, a1, a3, h, 3, 100 + 100 * i)
         tasks += wl.expert_down_tasks(hin, ids, a2, y, 2, 150 + 100 * i)
         outs.append((h, y, a1, a3, a2))
-    # moe_combine (EW WSUM) on its own input.
+    # moe_combine (EW WSUM) on its own input: the 16-byte path (fp32 slots, aligned) and an
+    # unaligned view of the same slots (the scalar path).
     yin, comb = r(batch, k, d), torch.full((batch, d), float("nan"), device="cuda")
-    tasks.append(wl.wsum_task(yin, cw, comb, 390))
+    comb_u = torch.full((batch, d), float("nan"), device="cuda")
+    tasks += [wl.wsum_task(yin, cw, comb, 390), wl.wsum_task(yin[:, :, 1:], cw, comb_u[:, 1:], 391)]
     # EW: residual add, a per-head L2 norm and the in-place conv update.
     a, b = r(batch, 256).to(BF), r(batch, 256).to(BF)
     add_o, l2_o, cy = (torch.full((batch, 256), float("nan"), device="cuda", dtype=BF) for _ in range(3))
@@ -82,6 +84,7 @@ def test_k3_bodies_match_registry(batch, stream):
         assert wl.rel_err(y, y_ref) < 2e-2
         assert bool((y[-1, 1] == 0).all())                    # the other rank's expert: zero
     assert wl.rel_err(comb, ref("moe_combine", (yin, cw))[0]) < 1e-5
+    assert wl.rel_err(comb_u[:, 1:], ref("moe_combine", (yin[:, :, 1:], cw))[0]) < 1e-5
     assert wl.rel_err(add_o, ref("add", (a, b), out_dtype="")[0]) < 2e-2
     assert wl.rel_err(l2_o, ref("l2_norm", (a,), head_dim=64, scale=0.125, eps=1e-6)[0]) < 2e-2
     c_y, c_state = ref("conv_update", (a, cst0, cwt))
