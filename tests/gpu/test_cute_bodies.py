@@ -63,6 +63,15 @@ def test_k3_bodies_match_registry(batch, stream):
     tasks += [wl.ew_task(EwOp.ADD, a, add_o, 400, b=b),
               wl.ew_task(EwOp.L2_NORM, a, l2_o, 401, head_dim=64, scale=0.125, eps=1e-6),
               wl.ew_task(EwOp.CONV, a, cy, 402, b=cst, c=cwt)]
+    # KDA gate (A_log per head of 64, dt_bias per channel) and a wide conv whose elements take
+    # several rounds of the CTA's threads (the unrolled paths' tails).
+    a_log, dt_bias = (0.5 * r(4)).float(), (0.5 * r(256)).float()
+    gate_o = torch.full((batch, 256), float("nan"), device="cuda")
+    wa = r(batch, 1200).to(BF)
+    wst, wcw = r(batch, 1200, 3).to(BF), r(1200, 1, 4).float()
+    wst0, wy = wst.clone(), torch.full((batch, 1200), float("nan"), device="cuda", dtype=BF)
+    tasks += [wl.ew_task(EwOp.KDA_GATE, a, gate_o, 405, b=dt_bias, c=a_log, head_dim=64),
+              wl.ew_task(EwOp.CONV, wa, wy, 406, b=wst, c=wcw)]
     # EW RMS of a long fp32 row (K3's latent rms_norm, 3584 wide): the vectorised all-warps path,
     # and an unaligned 3583-wide view of the same rows (the CTA-per-row fallback).
     xl, gl = r(batch, 3584) * 3.0, (1 + 0.1 * r(3584)).to(BF)
@@ -90,6 +99,11 @@ def test_k3_bodies_match_registry(batch, stream):
     c_y, c_state = ref("conv_update", (a, cst0, cwt))
     assert wl.rel_err(cy, c_y) < 2e-2
     assert torch.equal(cst.float(), c_state)  # the shifted window is exact
+    g_ref = ref("kda_gate", (a, a_log, dt_bias), heads=4, head_dim=64, a_log_broadcast="head")[0]
+    assert wl.rel_err(gate_o, g_ref) < 1e-4
+    w_y, w_state = ref("conv_update", (wa, wst0, wcw))
+    assert wl.rel_err(wy, w_y) < 2e-2
+    assert torch.equal(wst.float(), w_state)
     assert wl.rel_err(rms_o, ref("rms_norm", (xl, gl), eps=1e-6, out_dtype="bf16")[0]) < 1e-2
     assert wl.rel_err(rms_u[:, 1:], ref("rms_norm", (xl[:, 1:], gl[1:]), eps=1e-6, out_dtype="bf16")[0]) < 1e-2
     assert Opcode.ROUTER in plan.opcodes
