@@ -425,8 +425,9 @@ class KernelPlan:
     # "ring" (cp.async.bulk into a per-warp shared-memory ring, expert_ring; no registers hold the
     # bytes in flight). Slower so far: slice4-e128 B = 4 on the H200 5501 against 5200 us, the
     # experts 3.50 / 3.29 TB/s (stop 16, commit 8134e7a; docs/results/expert_ring_body_stop16.md),
-    # hence the register default. Since that run the ring body loads an item's activation
-    # fragments before the stage's wait (not measured yet);
+    # hence the register default. With the activation fragments loaded before the stage's wait
+    # (stop 17): B = 16 / 4 / 1 9455 / 5497 / 3317 against 8066 / 5209 / 3220 us, same logits
+    # (docs/results/plan_variants_h200_slice4-e128_expert_ring_v3_stop17.log);
     # `benchmarks/plan_variants.py --variants expert_stream=ring` measures it.
     expert_stream: str = "regs"
     spin_timeout_ns: int = 200_000_000
