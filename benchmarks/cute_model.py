@@ -139,7 +139,7 @@ def case(model: str, config: str, batch: int, steps: int, delay_ns: int) -> dict
     tok = torch.randint(0, vocab, (batch,), dtype=torch.int32).cuda()
     pos = torch.full((batch,), steps, dtype=torch.int32, device="cuda")
     rows = bisect_step(run.program.graph, run.mem, lambda: (run.kernel.step(), run.kernel.check()),
-                       {"tokens": tok, "pos": pos}, run.dims)
+                       {"tokens": tok, "pos": pos}, run.dims, run.lowered.unstored)
     worst = {}
     for r in rows:
         if r.status != "unwritten" and (r.op not in worst or not r.local <= worst[r.op][0]):

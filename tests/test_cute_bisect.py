@@ -38,7 +38,8 @@ def _bisect(prog, low, W, mutate=None, steps=2):
     for s in range(steps):
         ins = {"tokens": torch.randint(0, 4096, (B,), generator=gen, dtype=torch.int32),
                "pos": torch.full((B,), s, dtype=torch.int32)}
-        rows = bisect_step(prog.graph, bound, lambda: it.run_step(seed=s), ins, {"B": B, "L": L})
+        rows = bisect_step(prog.graph, bound, lambda: it.run_step(seed=s), ins, {"B": B, "L": L},
+                           low.unstored)
     return rows
 
 

@@ -24,8 +24,9 @@ import torch
 from cute_table_interp import Deadlock, interp_on_arena
 from fusec.backends.cute.lower import LoweringError, lower_schedule, unsupported_ops
 from fusec.backends.cute.memory import ALIGN
-from fusec.backends.cute.plan import NO_EVENT, EwOp, ExpertMode, Opcode
+from fusec.backends.cute.plan import NO_EVENT, EwOp, ExpertMode, F32Flag, Opcode
 from fusec.compiler import lower_for_cute
+from fusec.ir.types import Kind
 from fusec.backends.reference.executor import init_state, run_step
 from fusec.backends.reference.ranks import materialize_weights
 from fusec.compiler import lower
@@ -237,6 +238,33 @@ def test_k3_tiny_bf16_experts_grouped_rows_match_reference(batch):
     # whole matrix; 1.3e-3 at B=4, none of it from the experts). A wrong expert, slot or row
     # mapping moves the logits by far more than 5e-3.
     assert max(errs) < 5e-3 and same, errs
+
+
+def test_merged_projection_gemv_stores_its_bf16_casts(monkeypatch):
+    """A tile of a merged projection (fp32 out) inside a slice read only by a bf16 cast: its GEMV
+    row stores bf16 into the cast's output and the cast has no COPY row for that tile (one row
+    and one round trip less per tile); every such tile trades exactly one COPY row for one GEMV
+    row that now stores bf16, and the table still computes the reference bit for bit (the
+    K3 tiny interpreter tests)."""
+    from fusec.backends.cute import lower as cute_lower
+    g = kimi_k3.build_graph("tiny")
+
+    def counts(low):
+        copies = sum(1 for r in low.rows if r.opcode == Opcode.EW and r.sub == EwOp.COPY)
+        bf16_gemv = sum(1 for r in low.rows if r.opcode == Opcode.GEMV_BF16 and not r.p1 & F32Flag.OUT)
+        return copies, bf16_gemv
+
+    _, low = lower_for_cute(g, 1, L)
+    monkeypatch.setattr(cute_lower._TaskLowering, "_store_cast_from_gemv", lambda *a: False)
+    _, plain = lower_for_cute(g, 1, L)
+    (c1, b1), (c0, b0) = counts(low), counts(plain)
+    assert c0 - c1 > 0 and c0 - c1 == b1 - b0, ((c0, b0), (c1, b1))
+    # tiles of a slice past the first: the row's weight base moved to the slice's first row,
+    # still inside the merged weight (rows hold arena offsets; regions by offset)
+    bases = {r.a0 for r in plain.rows if r.opcode == Opcode.GEMV_BF16}
+    moved = [r for r in low.rows if r.opcode == Opcode.GEMV_BF16 and r.a0 not in bases]
+    weights = [reg for reg in low.memory.regions.values() if reg.kind is Kind.weight]
+    assert moved and all(any(w.offset < r.a0 < w.offset + w.nbytes for w in weights) for r in moved)
 
 
 def test_k3_combine_split_over_columns_matches(monkeypatch):

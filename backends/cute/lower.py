@@ -13,6 +13,10 @@ Rules (the core's protocol, docs/cute_backend.md):
   its last row (extra SIGNALs on trailing NOP rows), so every counter gets one increment per task;
 - a prologue computed by every tile of a group (rms_norm before a GEMV) writes a per-task scratch
   tensor, never the shared value (two CTAs would race on it);
+- a merged projection stores fp32 when one of its slices needs fp32; a tile that lies inside a
+  slice read only by a bf16 cast stores bf16 straight into the cast's output instead (its GEMV
+  row's weight base moved to the slice's first row) and the cast gets no COPY row there
+  (`_store_cast_from_gemv`);
 - an op without a body stops the lowering with one line naming it (never skipped);
 - a GEMV row whose task LOADs its weight above its waits (the prefetch pass's decision) names the
   first bytes of its weight tile (PF words) so that a waiting CTA pulls them into L2;
@@ -69,6 +73,10 @@ class Lowered:
     ranks: int = 1
     # per row: ((field, peer rank offset), ...): arena offsets in the peer's arena (COMM PUSH A2)
     peer_fields: tuple = ()
+    # value -> ((lo, hi), ...): last-dim columns no row stores (a merged projection's fp32 columns
+    # whose tiles store their bf16 cast directly, `_store_cast_from_gemv`); fusec.debug.bisect
+    # checks the other columns
+    unstored: dict = dataclasses.field(default_factory=dict)
 
     def plan(self, base: int = 0, peer_bases=None, **kw) -> KernelPlan:
         """The table with addresses: arena offsets + `base` (this rank's arena), offsets in a
@@ -174,7 +182,8 @@ def lower_schedule(schedule: Schedule, rank: int = 0) -> Lowered:
     check_prefetch(rows, mem)
     fields = [fs + ("pf_addr",) if r.pf_bytes else fs for r, fs in zip(rows, fields)]
     return Lowered(schedule, mem, tuple(rows), tuple(fields), tuple(queues),
-                   len(schedule.events), int(dims["B"]), consts, rank, R, peer if R > 1 else ())
+                   len(schedule.events), int(dims["B"]), consts, rank, R, peer if R > 1 else (),
+                   {v: tuple(sorted(c)) for v, c in low.unstored.items()})
 
 
 def _hoisted_weight_loads(schedule: Schedule) -> dict[int, set[str]]:
@@ -276,7 +285,13 @@ class _TaskLowering(MixerLowering):
         self.rank, self.R = rank, schedule.ranks
         self.rank_views: dict[str, View] = {}    # rank_slice results: this rank's window of the operand
         self.done: set[str] = set()   # values a fused row already produced (rms_norm after attn_res)
+        self.unstored: dict[str, list[tuple[int, int]]] = {}    # see Lowered.unstored
         self.ops = {op.outputs[0].name: op for op in schedule.graph.ops}
+        self.users: dict[str, list[Op]] = {}
+        for op in schedule.graph.ops:
+            for v in op.inputs:
+                self.users.setdefault(v.name, []).append(op)
+        self.outputs = {v.name for v in schedule.graph.outputs}
         self.events = {e.id: e for e in schedule.events}
         self.B = int(schedule.dims["B"])
 
@@ -327,6 +342,7 @@ class _TaskLowering(MixerLowering):
         if anchor is not None:
             cols[anchor.outputs[0].name] = tuple(t.tile[-1])
         rows = []
+        gemv = None         # index in rows of the anchor's GEMV row
         for op in ordered:
             out = op.outputs[0].name
             if Trait.view in op.opdef.traits:
@@ -340,9 +356,52 @@ class _TaskLowering(MixerLowering):
                 continue
             c = self._cols(op, cols, t)
             cols[out] = c
-            if out not in self.done:
-                rows += self._op_rows(t, op, c, anchor, redirect)
+            if out in self.done:
+                continue
+            if gemv is not None and self._store_cast_from_gemv(op, anchor, rows, gemv, cols[anchor.outputs[0].name], redirect):
+                continue
+            new = self._op_rows(t, op, c, anchor, redirect)
+            if op is anchor:
+                at = [i for i, (r, _) in enumerate(new) if r.opcode == Opcode.GEMV_BF16]
+                gemv = len(rows) + at[0] if len(at) == 1 else None
+            rows += new
         return rows
+
+    def _store_cast_from_gemv(self, op: Op, anchor: Op, rows: list, i: int, tile, redirect) -> bool:
+        """A merged projection stores fp32 (some of its slices need fp32) and its bf16 slices
+        are casts: when the task's tile lies inside one slice whose only reader is a cast to bf16,
+        and nothing else reads those fp32 columns, the GEMV row (rows[i]) stores bf16 straight
+        into the cast's output (the same fp32 sums, the same rounding) and the cast gets no COPY
+        row: one row and one L2 round trip less per tile. Returns whether it did so."""
+        if op.opname != "cast" or anchor.opname != "linear":
+            return False
+        sl = op.inputs[0].producer
+        a_out, o = anchor.outputs[0].name, op.outputs[0].name
+        if sl is None or Trait.view not in sl.opdef.traits or sl.opdef.window is None \
+                or sl.inputs[0].name != a_out or a_out in self.outputs:
+            return False
+        if any(n in redirect or n in self.rank_views for n in (a_out, sl.outputs[0].name, o)):
+            return False
+        if self.mem.view(a_out).dtype is not DType.f32 or self.mem.view(o).dtype is not DType.bf16:
+            return False
+        (lo, hi), (_, st, en) = tile, (int(x) for x in sl.opdef.window(sl.attrs))
+        if not st <= lo < hi <= en or self.users.get(sl.outputs[0].name) != [op]:
+            return False
+        for u in self.users.get(a_out, []):    # other readers of the fp32 columns of this tile
+            if Trait.view not in u.opdef.traits or u.opdef.window is None:
+                return False
+            _, ust, uen = (int(x) for x in u.opdef.window(u.attrs))
+            if u is not sl and ust < hi and lo < uen:
+                return False
+        r, fs = rows[i]
+        if (r.n0, r.n1) != (lo, hi) or r.opcode != Opcode.GEMV_BF16:
+            return False
+        self.unstored.setdefault(a_out, []).append((lo, hi))
+        self.unstored.setdefault(sl.outputs[0].name, []).append((lo - st, hi - st))
+        # the slice's weight rows start st rows into W (row-major [N, K] bf16)
+        rows[i] = (dataclasses.replace(r, a0=r.a0 + st * r.k * 2, a2=self._off(o, redirect), n0=lo - st, n1=hi - st,
+                                       ldy=self.mem.view(o).row_stride, p1=r.p1 & ~int(F32Flag.OUT)), fs)
+        return True
 
     def _cols(self, op: Op, cols: dict, t: Task) -> tuple[int, int]:
         for v in op.inputs:

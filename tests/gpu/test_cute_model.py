@@ -91,7 +91,7 @@ def test_k3_every_op_matches_its_reference_locally_at_every_step(batch):
         ins = {"tokens": torch.randint(0, 4096, (batch,), generator=gen, dtype=torch.int32).cuda(),
                "pos": torch.full((batch,), s, dtype=torch.int32, device="cuda")}
         rows = bisect_step(run.program.graph, run.mem, lambda: (run.kernel.step(), run.kernel.check()), ins,
-                           run.dims)
+                           run.dims, run.lowered.unstored)
         floats = [r for r in rows if r.status == "ok" and r.op not in ("router", "argmax")]
         assert not [r for r in rows if r.status == "partial"], f"step {s}\n" + format_report(rows)
         assert floats and all(r.local < 1e-2 for r in floats), f"step {s}\n" + format_report(rows)
@@ -110,7 +110,8 @@ def test_delay_injection_still_matches():
     for s in range(4):
         ins = {"tokens": torch.randint(0, 4096, (4,), generator=gen, dtype=torch.int32).cuda(),
                "pos": torch.full((4,), s, dtype=torch.int32, device="cuda")}
-        rows = bisect_step(run.program.graph, run.mem, lambda: (mk.step(), mk.check()), ins, run.dims)
+        rows = bisect_step(run.program.graph, run.mem, lambda: (mk.step(), mk.check()), ins, run.dims,
+                           run.lowered.unstored)
         floats = [r for r in rows if r.status == "ok" and r.op not in ("router", "argmax")]
         assert not [r for r in rows if r.status == "partial"], f"step {s}\n" + format_report(rows)
         assert floats and all(r.local < 1e-2 for r in floats), f"step {s}\n" + format_report(rows)
