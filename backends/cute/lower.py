@@ -385,7 +385,8 @@ class _TaskLowering(MixerLowering):
         if self.mem.view(a_out).dtype is not DType.f32 or self.mem.view(o).dtype is not DType.bf16:
             return False
         (lo, hi), (_, st, en) = tile, (int(x) for x in sl.opdef.window(sl.attrs))
-        if not st <= lo < hi <= en or self.users.get(sl.outputs[0].name) != [op]:
+        readers = self.users.get(sl.outputs[0].name, [])
+        if not st <= lo < hi <= en or len(readers) != 1 or readers[0] is not op:
             return False
         for u in self.users.get(a_out, []):    # other readers of the fp32 columns of this tile
             if Trait.view not in u.opdef.traits or u.opdef.window is None:
