@@ -201,18 +201,21 @@ def test_expert_ring_body_compiles_and_fits(cutlass_available, tmp_path, batch):
     assert "cp.async.bulk.shared" not in render(_expert_plan((3584, 3072), batch=batch, stream="regs"))
 
 
-def test_expert_tables_fit_the_scratch(cutlass_available, tmp_path):
+@pytest.mark.parametrize("cols", [8, 16])
+def test_expert_tables_fit_the_scratch(cutlass_available, tmp_path, cols):
     """EXPERT_BF16's shared tables at batch 16 without another body raising the scratch: five
     fp32 tables by pair and the Int16 members by (group, column), where a group index can reach
     the pair count (the scratch was sized 6 x pairs + 1 words, too small for that table)."""
     from fusec.backends.cute.codegen import load_module, write_module
 
     tasks = (TaskRow(Opcode.EXPERT_BF16, 0, n1=16, k=3584, p0=1, p1=16, p2=1),)
-    plan = KernelPlan(tasks=tasks, queues=((0,),), num_events=1, batch=16, name="experts")
+    plan = KernelPlan(tasks=tasks, queues=((0,),), num_events=1, batch=16, expert_cols=cols, name="experts")
     mod = load_module(write_module(plan, tmp_path))
     pairs = mod.EXPERT_MAX_PAIRS
-    assert pairs == 16 * 32 and mod.MMA_COLS == 16
-    assert 4 * mod.SCRATCH_F32 >= 4 * 5 * pairs + 2 * pairs * mod.MMA_COLS
+    assert pairs == 16 * 32 and mod.EXPERT_COLS == cols and mod.EXPERT_NT == cols // 8
+    assert 4 * mod.SCRATCH_F32 >= 4 * 5 * pairs + 2 * pairs * mod.EXPERT_COLS
+    with pytest.raises(ValueError, match="expert_cols"):
+        dataclasses.replace(plan, expert_cols=12)
 
 
 def test_expert_and_ew_rows_encode_subops():

@@ -430,6 +430,13 @@ class KernelPlan:
     # (docs/results/plan_variants_h200_slice4-e128_expert_ring_v3_stop17.log);
     # `benchmarks/plan_variants.py --variants expert_stream=ring` measures it.
     expert_stream: str = "regs"
+    # EXPERT_BF16: the most pairs one group (one expert's weights streamed once) takes; an
+    # expert chosen by more pairs gets another group, which streams its weights again. 8 (one
+    # n8 tile): at B = 16 over 128 experts a group holds ~2.5 pairs, and the 16-column body
+    # (two tiles, the second almost always past the count) spent as many activation loads as
+    # weight loads and spilled at 128 registers (ptxas: 24 B; 112 registers and none at 8;
+    # `benchmarks/ptxas_bodies.py`). 16 is the body before.
+    expert_cols: int = 8
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -464,6 +471,8 @@ class KernelPlan:
             raise ValueError(f"mla_head_tiles {self.mla_head_tiles} must be 1..4")
         if self.expert_stream not in ("regs", "ring"):
             raise ValueError(f"expert_stream {self.expert_stream!r} must be 'regs' or 'ring'")
+        if self.expert_cols not in (8, 16):
+            raise ValueError(f"expert_cols {self.expert_cols} must be 8 or 16")
         if self.mxfp4_decode not in ("f16", "lut"):
             raise ValueError(f"mxfp4_decode {self.mxfp4_decode!r} must be 'f16' or 'lut'")
         if self.threads % 32 or not 32 <= self.threads <= 1024:

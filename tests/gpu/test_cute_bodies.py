@@ -22,10 +22,12 @@ def ref(name, args, **attrs):
     return get_op(name).ref(list(args), attrs)
 
 
-@pytest.mark.parametrize("stream", ["regs", "ring"])
-@pytest.mark.parametrize("batch", [1, 4, 16])
-def test_k3_bodies_match_registry(batch, stream):
-    """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream)."""
+@pytest.mark.parametrize("batch,stream,cols", [(1, "regs", 8), (4, "regs", 8), (16, "regs", 8), (16, "regs", 16),
+                                               (1, "ring", 8), (4, "ring", 8), (16, "ring", 8)])
+def test_k3_bodies_match_registry(batch, stream, cols):
+    """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
+    width (KernelPlan.expert_cols). 64 pairs over 8 experts at B = 16: experts chosen by more
+    pairs than a group holds take several groups."""
     gen = torch.Generator(device="cuda").manual_seed(batch)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     e, d, inter, k = 8, 256, 128, 4
@@ -79,7 +81,8 @@ def test_k3_bodies_match_registry(batch, stream):
     tasks += [wl.ew_task(EwOp.RMS, xl, rms_o, 403, c=gl, head_dim=3584, eps=1e-6),
               wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 404, c=gl[1:], head_dim=3583, eps=1e-6)]
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
-                      batch=batch, threads=256, expert_stream=stream, name=f"k3b_b{batch}_{stream}")
+                      batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
+                      name=f"k3b_b{batch}_{stream}_{cols}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()

@@ -1,0 +1,94 @@
+"""Registers and spills per task body of a K3 megakernel, from ptxas on the CPU build.
+
+    CUTE_DSL_ARCH=sm_90a python benchmarks/ptxas_bodies.py [--config slice4-e128] [--batch 16]
+        [--variant field=value,...] [--only EXPERT_BF16,GEMV_BF16]
+
+The megakernel is one function, so ptxas reports one register count and one spill figure for
+all of its bodies together. This script compiles the whole kernel and then, for each opcode
+the table uses, a kernel holding only that opcode's rows (the same plan fields, so the same
+compile-time constants), and runs `ptxas -v` on each PTX: which body needs the registers, and
+which one spills at the 512-thread cap of 128. Needs ptxas (CUDA toolkit) on PATH or in
+/usr/local/cuda*/bin; no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from fusec.backends.cute.codegen import compile_plan  # noqa: E402
+from fusec.backends.cute.plan import Opcode  # noqa: E402
+from fusec.compiler import lower_for_cute  # noqa: E402
+from fusec.models import kimi_k3  # noqa: E402
+
+
+def _ptxas() -> str:
+    found = shutil.which("ptxas") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))), None)
+    if not found:
+        sys.exit("ptxas_bodies: error: no ptxas on PATH or in /usr/local/cuda*/bin")
+    return found
+
+
+def ptxas_stats(plan, ptxas: str) -> str:
+    """'R regs, S B spill stores / L B spill loads' of the plan's kernel."""
+    with tempfile.TemporaryDirectory() as d:
+        _, _, dump = compile_plan(plan, d, keep_ptx=True)
+        ptx = sorted(glob.glob(str(dump / "*.ptx")))[0]
+        out = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    regs = re.findall(r"Used (\d+) registers", out)
+    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    stack = re.findall(r"(\d+) bytes stack frame", out)
+    return (f"{regs[-1] if regs else '?'} regs, stack {stack[-1] if stack else '?'} B, spill stores "
+            f"{spill[-1][0] if spill else '?'} B / loads {spill[-1][1] if spill else '?'} B")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="slice4-e128")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--variant", default="", help="KernelPlan fields, 'field=value,...'")
+    ap.add_argument("--only", default="", help="comma list of opcodes (default: every one the table uses)")
+    ap.add_argument("--no-whole", action="store_true", help="skip the whole kernel")
+    args = ap.parse_args()
+    ptxas = _ptxas()
+    low = lower_for_cute(kimi_k3.build_graph(args.config), args.batch, args.max_len)[1]
+    plan = low.plan(base=0)
+    for f in (f for f in args.variant.split(",") if f):
+        k, v = f.split("=")
+        cur = getattr(plan, k)
+        plan = dataclasses.replace(plan, **{k: (v == "True") if isinstance(cur, bool) else type(cur)(v)})
+    wanted = [Opcode[o] for o in args.only.split(",") if o] or [o for o in plan.opcodes if o != Opcode.NOP]
+    rows = []
+    if not args.no_whole:
+        t0 = time.perf_counter()
+        rows.append(("whole kernel", ptxas_stats(plan, ptxas), time.perf_counter() - t0))
+        print(rows[-1], flush=True)
+    for op in wanted:
+        idx = [i for i, t in enumerate(plan.tasks) if t.opcode == op]
+        if not idx:
+            continue
+        sub = dataclasses.replace(plan, tasks=tuple(plan.tasks[i] for i in idx), queues=(tuple(range(len(idx))),),
+                                  extra_opcodes=())
+        t0 = time.perf_counter()
+        rows.append((op.name, ptxas_stats(sub, ptxas), time.perf_counter() - t0))
+        print(rows[-1], flush=True)
+    print(f"\n{args.config} B={args.batch} {args.variant or 'default plan'}, {plan.threads} threads\n")
+    print("| kernel | ptxas -v (sm_90a) | compile s |\n|---|---|---|")
+    for name, stats, secs in rows:
+        print(f"| {name} | {stats} | {secs:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
