@@ -67,7 +67,7 @@ def main() -> int:
     for f in (f for f in args.variant.split(",") if f):
         k, v = f.split("=")
         cur = getattr(plan, k)
-        plan = dataclasses.replace(plan, **{k: (v == "True") if isinstance(cur, bool) else type(cur)(v)})
+        plan = dataclasses.replace(plan, **{k: (v == "True") if isinstance(cur, bool) else type(cur if cur is not None else 0)(v)})
     wanted = [Opcode[o] for o in args.only.split(",") if o] or [o for o in plan.opcodes if o != Opcode.NOP]
     rows = []
     if not args.no_whole:
