@@ -207,7 +207,9 @@ def test_kda_family_over_batch_rows_matches_registry():
 
 # (batch, heads, cache rows, chunks): chunks past pos stay empty; 52 and 96 heads take two
 # blocks of the tensor-core body (one partly padded); 50-row chunks take two shared-memory stages.
-@pytest.mark.parametrize("batch,h,length,chunks", [(1, 8, 40, 4), (4, 52, 100, 2), (16, 96, 70, 3)])
+# The combine takes a warp per item up to 32 chunks and a CTA per item above (40 chunks).
+@pytest.mark.parametrize("batch,h,length,chunks", [(1, 8, 40, 4), (4, 52, 100, 2), (16, 96, 70, 3),
+                                                   (1, 8, 1400, 40)])
 def test_mla_split_sequence_matches_registry(batch, h, length, chunks):
     """Partials per chunk, then the combine waits on them."""
     gen = torch.Generator(device="cuda").manual_seed(7)

@@ -112,9 +112,12 @@ def _step_and_check(plan, ws, xs, ys):
 @pytest.mark.parametrize("batch", [2, 9, 16])
 def test_gemv_mma_shapes(batch):
     """The tensor-core GEMV_BF16 body on awkward shapes: long K split inside the CTA (7168), K of
-    three 32-column chunks (96), row counts that leave partial tiles, one empty task; bf16 and
-    fp32 outputs."""
-    ws, xs, ys, tasks = _gemv_cases(batch, [(200, 7168, 3), (37, 96, 2), (129, 1280, 5)], 1)
+    three 32-column chunks (96), row counts that leave partial tiles, many units per task, one
+    empty task; bf16 and fp32 outputs."""
+    # (1240, 512, 1): one task of 39 32-row units, whose stream-K runs (split-K body, B > 8) cut
+    # units at warp boundaries; (376, 1024, 1): 12 units on 16 warps.
+    ws, xs, ys, tasks = _gemv_cases(batch, [(200, 7168, 3), (37, 96, 2), (129, 1280, 5), (1240, 512, 1),
+                                            (376, 1024, 1)], 1)
     tasks.append(dataclasses.replace(tasks[0], task_id=len(tasks), n0=5, n1=5))   # empty: stores nothing
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 6), num_events=1,
                       batch=batch, gemv="mma", name=f"t_mma_b{batch}")
