@@ -207,7 +207,7 @@ def test_kda_family_over_batch_rows_matches_registry():
 
 # (batch, heads, cache rows, chunks): chunks past pos stay empty; 52 and 96 heads take two
 # blocks of the tensor-core body (one partly padded); 50-row chunks take two shared-memory stages.
-# The combine takes a warp per item up to 32 chunks and a CTA per item above (40 chunks).
+# 40 chunks: more than a warp's lanes (the combine's weights per chunk).
 @pytest.mark.parametrize("batch,h,length,chunks", [(1, 8, 40, 4), (4, 52, 100, 2), (16, 96, 70, 3),
                                                    (1, 8, 1400, 40)])
 def test_mla_split_sequence_matches_registry(batch, h, length, chunks):

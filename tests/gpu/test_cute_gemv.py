@@ -114,8 +114,8 @@ def test_gemv_mma_shapes(batch):
     """The tensor-core GEMV_BF16 body on awkward shapes: long K split inside the CTA (7168), K of
     three 32-column chunks (96), row counts that leave partial tiles, many units per task, one
     empty task; bf16 and fp32 outputs."""
-    # (1240, 512, 1): one task of 39 32-row units, whose stream-K runs (split-K body, B > 8) cut
-    # units at warp boundaries; (376, 1024, 1): 12 units on 16 warps.
+    # (1240, 512, 1): one task of 39 32-row units, more than one round of the warps (split-K
+    # body, B > 8); (376, 1024, 1): 12 units on 16 warps (the K3 step's 7168-column shapes).
     ws, xs, ys, tasks = _gemv_cases(batch, [(200, 7168, 3), (37, 96, 2), (129, 1280, 5), (1240, 512, 1),
                                             (376, 1024, 1)], 1)
     tasks.append(dataclasses.replace(tasks[0], task_id=len(tasks), n0=5, n1=5))   # empty: stores nothing
