@@ -16,9 +16,6 @@ import argparse
 import dataclasses
 import glob
 import os
-import re
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,29 +24,16 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from fusec.backends.cute.codegen import compile_plan  # noqa: E402
 from fusec.backends.cute.plan import Opcode  # noqa: E402
+from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources  # noqa: E402
 from fusec.compiler import lower_for_cute  # noqa: E402
 from fusec.models import kimi_k3  # noqa: E402
 
 
-def _ptxas() -> str:
-    found = shutil.which("ptxas") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))), None)
-    if not found:
-        sys.exit("ptxas_bodies: error: no ptxas on PATH or in /usr/local/cuda*/bin")
-    return found
-
-
-def ptxas_stats(plan, ptxas: str) -> str:
-    """'R regs, S B spill stores / L B spill loads' of the plan's kernel."""
+def resources(plan) -> str:
+    """ptxas -v of the plan's kernel, compiled on the CPU."""
     with tempfile.TemporaryDirectory() as d:
         _, _, dump = compile_plan(plan, d, keep_ptx=True)
-        ptx = sorted(glob.glob(str(dump / "*.ptx")))[0]
-        out = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
-    regs = re.findall(r"Used (\d+) registers", out)
-    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
-    stack = re.findall(r"(\d+) bytes stack frame", out)
-    return (f"{regs[-1] if regs else '?'} regs, stack {stack[-1] if stack else '?'} B, spill stores "
-            f"{spill[-1][0] if spill else '?'} B / loads {spill[-1][1] if spill else '?'} B")
+        return str(ptxas_resources(sorted(glob.glob(str(dump / "*.ptx")))[0]))
 
 
 def main() -> int:
@@ -61,7 +45,8 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of opcodes (default: every one the table uses)")
     ap.add_argument("--no-whole", action="store_true", help="skip the whole kernel")
     args = ap.parse_args()
-    ptxas = _ptxas()
+    if find_ptxas() is None:
+        sys.exit("ptxas_bodies: error: no ptxas on PATH or in /usr/local/cuda*/bin")
     low = lower_for_cute(kimi_k3.build_graph(args.config), args.batch, args.max_len)[1]
     plan = low.plan(base=0)
     for f in (f for f in args.variant.split(",") if f):
@@ -72,7 +57,7 @@ def main() -> int:
     rows = []
     if not args.no_whole:
         t0 = time.perf_counter()
-        rows.append(("whole kernel", ptxas_stats(plan, ptxas), time.perf_counter() - t0))
+        rows.append(("whole kernel", resources(plan), time.perf_counter() - t0))
         print(rows[-1], flush=True)
     for op in wanted:
         idx = [i for i, t in enumerate(plan.tasks) if t.opcode == op]
@@ -81,7 +66,7 @@ def main() -> int:
         sub = dataclasses.replace(plan, tasks=tuple(plan.tasks[i] for i in idx), queues=(tuple(range(len(idx))),),
                                   extra_opcodes=())
         t0 = time.perf_counter()
-        rows.append((op.name, ptxas_stats(sub, ptxas), time.perf_counter() - t0))
+        rows.append((op.name, resources(sub), time.perf_counter() - t0))
         print(rows[-1], flush=True)
     print(f"\n{args.config} B={args.batch} {args.variant or 'default plan'}, {plan.threads} threads\n")
     print("| kernel | ptxas -v (sm_90a) | compile s |\n|---|---|---|")

@@ -247,3 +247,22 @@ def test_router_scores_per_lane_follow_the_widest_router():
     assert "ROUTER_PER_LANE = 28\n" in render(plan(896, 100))
     with pytest.raises(ValueError, match="experts <= 1024"):
         plan(1025)
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
+    """The register-streaming bodies alone fit the 128 registers of 512 threads (ptxas -v on the
+    sm_90a PTX): a spill inside a streaming loop costs a local-memory round trip per chunk. The
+    expert body at B = 16 spilled 24 B before its groups were cut to 8 pairs (KernelPlan.expert_cols)."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
+
+    if find_ptxas() is None:
+        pytest.skip("no ptxas (CUDA toolkit) on this machine")
+    gemv = tuple(TaskRow(Opcode.GEMV_BF16, i, n0=0, n1=376, k=7168) for i in range(2))
+    for name, plan in (("experts", _expert_plan((3584, 3072), batch=batch, stream="regs")),
+                       ("gemv", KernelPlan(tasks=gemv, queues=((0, 1),), num_events=1, batch=batch, gemv="mma",
+                                           name="gemv"))):
+        _, _, dump = compile_plan(plan, tmp_path / name, keep_ptx=True)
+        res = ptxas_resources(next(dump.glob("*.ptx")))
+        assert res.registers <= 128 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0, (name, str(res))
