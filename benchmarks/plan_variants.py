@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     from fusec.backends.cute.runtime import Megakernel
+    from fusec.backends.cute.weight_tiles import gemv_weight_regions, tile, tiled_rows, untile
     import fusec.models as m
 
     t0 = time.perf_counter()
@@ -67,13 +68,33 @@ def main() -> None:
             run.mem.tensor(n).copy_(t)
         return out
 
+    # gemv_tiles variants read GEMV weights repacked into 16-row tiles (weight_tiles.py): their
+    # rows carry GEMV_TILED, and the arena's weights are permuted in place to the layout of the
+    # build about to run (tiles or rows; a few tens of ms per switch, outside the timed replays).
+    tiled_regions = gemv_weight_regions(run.lowered)[0]
+    layout = {"tiles": False}
+
+    def use_layout(tiles: bool) -> None:
+        if layout["tiles"] != tiles:
+            for name, k in tiled_regions.items():
+                w = run.mem.tensor(name).view(-1, k)
+                w.copy_(tile(w) if tiles else untile(w))
+            torch.cuda.synchronize()
+            layout["tiles"] = tiles
+
     ref_logits, ref_next = one_step(run.kernel)[:2]
     builds = {"default": run.kernel}
     checks = {"default": ""}
+    tiles_of = {"default": False}
     for v in (x for x in args.variants.split(";") if x):
-        kv = dict(f.split("=") for f in v.split(","))
+        kv = {k: _value(run.plan, k, x) for k, x in (f.split("=") for f in v.split(","))}
         t1 = time.perf_counter()
-        mk = Megakernel(dataclasses.replace(run.plan, **{k: _value(run.plan, k, x) for k, x in kv.items()}))
+        plan = dataclasses.replace(run.plan, **kv)
+        if plan.gemv_tiles:
+            plan = plan.with_tasks(tiled_rows(run.lowered, list(plan.tasks), tiled_regions))
+        tiles_of[v] = plan.gemv_tiles
+        mk = Megakernel(plan)
+        use_layout(tiles_of[v])
         logits, nxt = one_step(mk)[:2]
         err = float((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max())
         agree = int((nxt.flatten() == ref_next.flatten()).sum())
@@ -84,8 +105,10 @@ def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in builds}
     for _ in range(args.rounds):
         for v, gr in graphs.items():
+            use_layout(tiles_of[v])
             times[v].append(median_us(gr.replay, args.reps))
             builds[v].check()
+    use_layout(False)
     base = sorted(times["default"])[len(times["default"]) // 2]
     print(f"\n| {args.config} B={args.batch} | step us (median round) | vs default | rounds | check |\n|---|---|---|---|---|")
     for v, ts in times.items():

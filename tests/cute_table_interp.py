@@ -24,7 +24,8 @@ import random
 import torch
 import torch.nn.functional as F
 
-from fusec.backends.cute.plan import NO_EVENT, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode
+from fusec.backends.cute.plan import GEMV_TILED, NO_EVENT, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode
+from fusec.backends.cute.weight_tiles import tile_gemv_weights, untile
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.registry import get_op
 
@@ -106,7 +107,12 @@ class Interp:
         op = r.opcode
         if op == Opcode.NOP:
             return
-        if op == Opcode.GEMV_BF16:
+        if op == Opcode.GEMV_BF16 and r.p1 & GEMV_TILED:     # 16-row tiles from the matrix base
+            w = untile(self.mat(r.a0, -(-r.n1 // 16) * 16, r.k, r.k))[r.n0:r.n1].float()
+            x = self.mat(r.a1, B, r.k, r.ldx).float()
+            y = self.mat(r.a2, B, r.n1, r.ldy, bool(r.p1 & F32Flag.OUT))
+            y[:, r.n0:r.n1] = (x @ w.T).to(y.dtype)
+        elif op == Opcode.GEMV_BF16:
             w = self.mat(r.a0, r.n1, r.k, r.k)[r.n0:r.n1].float()
             x = self.mat(r.a1, B, r.k, r.ldx).float()
             f32 = bool(r.p1 & F32Flag.OUT)
@@ -359,14 +365,17 @@ class Interp:
         o[rs, cols] = y.to(o.dtype)
 
 
-def interp_on_arena(low, weights, mutate=None):
+def interp_on_arena(low, weights, mutate=None, plan_options=None):
     """A CPU arena bound with `weights` (the lowered graph's) and an interpreter over its table
-    (`mutate(rows) -> rows` plants a bug first). Returns (bound arena, Interp)."""
+    (`mutate(rows) -> rows` plants a bug first; `plan_options` as the runner's: gemv_tiles
+    repacks the GEMV weights as CuteRunner does). Returns (bound arena, Interp)."""
     from fusec.backends.cute.lower import bind_weights
 
     bound = low.memory.bind("cpu")
     bind_weights(low, bound, weights)
-    plan = low.plan(base=0)
+    if (plan_options or {}).get("gemv_tiles"):
+        tile_gemv_weights(low, bound)
+    plan = low.plan(base=0, **(plan_options or {}))
     if mutate:
         plan = plan.with_tasks(mutate(list(plan.tasks)))
     return bound, Interp(plan, bound.arena)

@@ -260,9 +260,21 @@ def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
     if find_ptxas() is None:
         pytest.skip("no ptxas (CUDA toolkit) on this machine")
     gemv = tuple(TaskRow(Opcode.GEMV_BF16, i, n0=0, n1=376, k=7168) for i in range(2))
-    for name, plan in (("experts", _expert_plan((3584, 3072), batch=batch, stream="regs")),
-                       ("gemv", KernelPlan(tasks=gemv, queues=((0, 1),), num_events=1, batch=batch, gemv="mma",
-                                           name="gemv"))):
+    gemv_plan = KernelPlan(tasks=gemv, queues=((0, 1),), num_events=1, batch=batch, gemv="mma", name="gemv")
+    for name, plan in (("experts", _expert_plan((3584, 3072), batch=batch, stream="regs")), ("gemv", gemv_plan),
+                       ("gemv_tiles", dataclasses.replace(gemv_plan, gemv_tiles=True))):
         _, _, dump = compile_plan(plan, tmp_path / name, keep_ptx=True)
         res = ptxas_resources(next(dump.glob("*.ptx")))
         assert res.registers <= 128 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0, (name, str(res))
+
+
+def test_gemv_tiles_needs_the_tensor_core_body():
+    """KernelPlan.gemv_tiles is read by the tensor-core GEMV bodies only: refused with the CUDA-core
+    body (batch 1), with the in-body L2 prefetch (row-major offsets) and for rank groups."""
+    rows = (TaskRow(Opcode.GEMV_BF16, 0, n0=0, n1=64, k=256),)
+    ok = KernelPlan(tasks=rows, queues=((0,),), num_events=1, batch=4, gemv_tiles=True)
+    assert ok.gemv_mma
+    for bad in (dict(batch=1), dict(l2_ahead=2), dict(gemv="simt")):
+        with pytest.raises(ValueError, match="gemv_tiles"):
+            dataclasses.replace(ok, **bad)
+

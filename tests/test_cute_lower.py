@@ -123,14 +123,14 @@ def test_rows_follow_queues_waits_and_signals(llama_low):
     assert signals == {e.id: e.per_step for e in s.events}
 
 
-def _interp_run(g, prog, low, steps, seed, mutate=None, module=llama):
+def _interp_run(g, prog, low, steps, seed, mutate=None, module=llama, plan_options=None):
     """Interpret the lowered table for `steps` steps against the reference executor running the
     same lowered graph (prog.graph: canonicalized MLA, merged projections) with the same bf16
     weights: every rounding point is the reference's, so the logits must agree bit for bit."""
     B, L_ = low.batch, prog.schedule.dims["L"]
     pg = prog.graph
     W = materialize_weights(pg, random_weights(g, 0, module.WEIGHT_INIT), 0, "bf16")
-    bound, it = interp_on_arena(low, W, mutate)
+    bound, it = interp_on_arena(low, W, mutate, plan_options)
     st = init_state(pg, {"B": B, "L": L_}, precision="bf16")
     gen = torch.Generator().manual_seed(seed)
     errs, same = [], True
@@ -383,3 +383,26 @@ def test_delay_and_profile_variants_compile_and_pass_the_audit(tmp_path):
     assert compile_key(variant) != compile_key(plan)
     rep = audit_plan(variant, tmp_path)
     assert rep.ok, rep.violations
+
+
+@pytest.mark.parametrize("module,config", [(llama, "tiny"), (kimi_k3, "tiny")])
+def test_gemv_tiles_table_matches_reference(module, config):
+    """KernelPlan.gemv_tiles: the GEMV weights repacked into 16-row tiles at bind time
+    (backends/cute/weight_tiles.py) and the rows that read them flagged GEMV_TILED; the
+    interpreter reads those rows' weights as tiles and the table still computes the reference bit
+    for bit. Regions that cannot tile (K3 tiny's merged projections are not whole 16-row tiles)
+    stay row-major, with the reason."""
+    from fusec.backends.cute.plan import GEMV_TILED
+    from fusec.backends.cute.weight_tiles import gemv_weight_regions
+
+    g = module.build_graph(config)
+    prog, low = lower_for_cute(g, 4, L)
+    tiled, kept = gemv_weight_regions(low)
+    assert tiled and all(isinstance(why, str) and why for why in kept.values())
+    plan = low.plan(base=0, gemv_tiles=True)
+    flagged = [r for r in plan.tasks if r.opcode == Opcode.GEMV_BF16 and r.p1 & GEMV_TILED]
+    assert flagged and len(flagged) < len(low.rows)
+    assert not any(r.p1 & GEMV_TILED for r in low.plan(base=0).tasks)     # off by default
+    errs, same = _interp_run(g, prog, low, steps=3, seed=4, module=module, plan_options={"gemv_tiles": True})
+    assert max(errs) == 0.0 and same, errs
+

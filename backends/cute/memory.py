@@ -188,6 +188,7 @@ class Bound:
     def __init__(self, plan: MemoryPlan, arena):
         self.plan, self.arena = plan, arena
         self.base = arena.data_ptr()
+        self.tiled: dict[str, int] = {}     # regions repacked into 16-row tiles -> K (weight_tiles.py)
 
     def addr(self, name: str) -> int:
         return self.base + self.plan.byte_offset(name)

@@ -282,6 +282,11 @@ class EwOp(enum.IntEnum):
                      # fp32 [B, P2] routing weights                              [moe_combine]
 
 
+# P1 bit of GEMV_BF16 rows: the weights are in 16-row tiles (backends/cute/weight_tiles.py), read
+# by kernels with KernelPlan.gemv_tiles; distinct from every F32Flag bit.
+GEMV_TILED = 16
+
+
 class F32Flag(enum.IntFlag):
     """P1 bits of EW rows (and bit A0 of ROUTER rows): operand is fp32, else bf16."""
 
@@ -437,6 +442,11 @@ class KernelPlan:
     # weight loads and spilled at 128 registers (ptxas: 24 B; 112 registers and none at 8;
     # `benchmarks/ptxas_bodies.py`). 16 is the body before.
     expert_cols: int = 8
+    # GEMV_BF16 tensor-core bodies: rows flagged GEMV_TILED (P1) read weights the runner repacked
+    # into 16-row tiles at bind time, 512 contiguous bytes per warp load (weight_tiles.py; stop
+    # 15's microbenchmark: 3.66-3.80 TB/s against 2.2 for row-major at 512 threads). Off: not
+    # yet measured in the megakernel.
+    gemv_tiles: bool = False
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -471,6 +481,8 @@ class KernelPlan:
             raise ValueError(f"mla_head_tiles {self.mla_head_tiles} must be 1..4")
         if self.expert_stream not in ("regs", "ring"):
             raise ValueError(f"expert_stream {self.expert_stream!r} must be 'regs' or 'ring'")
+        if self.gemv_tiles and (not self.gemv_mma or self.l2_ahead or self.ranks > 1):
+            raise ValueError("gemv_tiles needs the tensor-core GEMV body (gemv_mma), l2_ahead 0 and one rank")
         if self.expert_cols not in (8, 16):
             raise ValueError(f"expert_cols {self.expert_cols} must be 8 or 16")
         if self.mxfp4_decode not in ("f16", "lut"):

@@ -29,10 +29,15 @@ def arena_weights(graph: Graph, bound) -> dict:
     """The weights exactly as the kernel reads them (MXFP4 rebuilt from its packed/scale regions)."""
     from fusec.ir.quant import MXFP4Tensor
 
+    from .weight_tiles import untile
+
     out = {}
     for v in graph.weights():
         if v.type.dtype is DType.mxfp4:
             out[v.name] = MXFP4Tensor(bound.tensor(v.name), bound.tensor(v.name + ".scale"))
+        elif v.name in bound.tiled:     # repacked for plan.gemv_tiles: a row-major copy
+            w = bound.tensor(v.name)
+            out[v.name] = untile(w.reshape(-1, bound.tiled[v.name])).reshape(w.shape)
         else:
             out[v.name] = bound.tensor(v.name)
     return out
@@ -69,6 +74,7 @@ class CuteRunner:
         from fusec.backends.reference.ranks import materialize_weights
         from .lower import bind_weights, lower_schedule
         from .runtime import Megakernel
+        from .weight_tiles import tile_gemv_weights
 
         check_cute_args(program, device, precision)
         self.dims, self.device = dims, device
@@ -77,6 +83,8 @@ class CuteRunner:
         self.mem = self.lowered.memory.bind(device)
         with torch.no_grad():
             bind_weights(self.lowered, self.mem, materialize_weights(g, weights, 0, "bf16"))
+            if (plan_options or {}).get("gemv_tiles"):
+                tile_gemv_weights(self.lowered, self.mem)
         self.plan = self.lowered.plan(base=self.mem.base, **(plan_options or {}))
         self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device)
         self._init_host()

@@ -201,6 +201,10 @@ def footprint(w, B: int, base: int, arena: _Arena, consts: dict, peer_bases=None
         return R, Wr
     if op in (Opcode.GEMV_BF16, Opcode.GEMV_MXFP4):
         if op == Opcode.GEMV_BF16:
+            # Rows n0 .. n1 of the matrix. With GEMV_TILED the same rows' bytes lie in the 16-row
+            # tiles around them, inside the same static weight region (weight_tiles.py tiles only
+            # regions of whole tiles with every matrix base on one): the static weight the task
+            # LOADs, in another order.
             RS([(at(0) + n0 * K * 2, at(0) + n1 * K * 2)])
         else:
             RS([(at(0) + n0 * K // 2, at(0) + n1 * K // 2)])

@@ -124,6 +124,30 @@ def test_gemv_mma_shapes(batch):
     _step_and_check(plan, ws, xs, ys)
 
 
+@pytest.mark.parametrize("batch", [4, 16])
+def test_gemv_mma_tiled_weights(batch):
+    """KernelPlan.gemv_tiles: weights repacked into 16-row tiles (weight_tiles.tile) and rows
+    flagged GEMV_TILED, on the grouped (B = 4) and split-K (B = 16) bodies; unaligned row cuts
+    (tiles shared by two tasks), one task of many units, and one row-major weight among tiled
+    ones in the same kernel."""
+    from fusec.backends.cute.plan import GEMV_TILED
+    from fusec.backends.cute.weight_tiles import tile
+
+    cases = [(208, 7168, 3), (48, 96, 2), (1248, 512, 1), (384, 1024, 5), (40, 256, 2)]
+    ws, xs, ys, tasks = _gemv_cases(batch, cases, 1)
+    tiled = [n % 16 == 0 for n, _, _ in cases]
+    tiled[-1] = False                     # (40, 256): whole tiles would need 48 rows; stays row-major
+    refs = [w.clone() for w in ws]
+    for w, t in zip(ws, tiled):
+        if t:
+            w.copy_(tile(w))
+    flag = {w.data_ptr(): t for w, t in zip(ws, tiled)}
+    tasks = [dataclasses.replace(r, p1=r.p1 | GEMV_TILED) if flag[r.a0] else r for r in tasks]
+    plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 6), num_events=1,
+                      batch=batch, gemv="mma", gemv_tiles=True, name=f"t_tiles_b{batch}")
+    _step_and_check(plan, refs, xs, ys)
+
+
 @pytest.mark.parametrize("batch,rows_per_warp", [(1, 1), (1, 2), (4, 1)])
 def test_gemv_simt_shapes(batch, rows_per_warp):
     """The CUDA-core GEMV_BF16 body on K of fewer than 32 vectors per row (8, 40, 128: several
