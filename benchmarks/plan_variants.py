@@ -77,7 +77,8 @@ def main() -> None:
     def use_layout(tiles: bool) -> None:
         if layout["tiles"] != tiles:
             for name, k in tiled_regions.items():
-                w = run.mem.tensor(name).view(-1, k)
+                reg = run.lowered.memory.regions[name]
+                w = run.mem.arena[reg.offset:reg.offset + reg.nbytes].view(torch.bfloat16).view(-1, k)
                 w.copy_(tile(w) if tiles else untile(w))
             torch.cuda.synchronize()
             layout["tiles"] = tiles
