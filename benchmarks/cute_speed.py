@@ -216,8 +216,8 @@ def main(argv=None) -> int:
     PREFETCH_KB[:] = [int(x) for x in args.prefetch_kb.split(",") if x]
     GEMV_VARIANTS[:] = [x for x in args.gemv_variants.split(",") if x]
     PLAN_VARIANTS[:] = [x for x in args.plan_variants.split(";") if x]
-    if any("gemv_tiles" in v for v in PLAN_VARIANTS):   # its weights must be repacked: a new arena layout
-        ap.error("gemv_tiles changes the weights' layout: time it with benchmarks/plan_variants.py")
+    if any("_tiles" in v for v in PLAN_VARIANTS):   # their weights must be repacked: a new arena layout
+        ap.error("gemv_tiles / expert_tiles change the weights' layout: time them with benchmarks/plan_variants.py")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, config {args.config}, "
           f"position {args.max_len - 1}, GEMV_BF16 body {GEMV_VARIANTS and 'default (' + ','.join(GEMV_VARIANTS) + ' timed too)' or 'default'}", flush=True)
     rows = []

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     from fusec.backends.cute.runtime import Megakernel
-    from fusec.backends.cute.weight_tiles import gemv_weight_regions, tile, tiled_rows, untile
+    from fusec.backends.cute.weight_tiles import expert_weight_regions, gemv_weight_regions, tile, tiled_rows, untile
     import fusec.models as m
 
     t0 = time.perf_counter()
@@ -68,32 +68,40 @@ def main() -> None:
             run.mem.tensor(n).copy_(t)
         return out
 
-    # gemv_tiles variants read GEMV weights repacked into 16-row tiles (weight_tiles.py): their
-    # rows carry GEMV_TILED, and the arena's weights are permuted in place to the layout of the
-    # build about to run (tiles or rows; a few tens of ms per switch, outside the timed replays).
-    tiled_regions = gemv_weight_regions(run.lowered)[0]
-    layout = {"tiles": False}
+    # gemv_tiles / expert_tiles variants read weights repacked into 16-row tiles (weight_tiles.py):
+    # their GEMV rows carry GEMV_TILED, and the arena's weights are permuted in place to the
+    # layout of the build about to run (a few tens of ms per switch, outside the timed replays).
+    gemv_regions = gemv_weight_regions(run.lowered)[0]
+    tiled_now: dict[str, int] = {}
 
-    def use_layout(tiles: bool) -> None:
-        if layout["tiles"] != tiles:
-            for name, k in tiled_regions.items():
+    def regions_of(plan) -> dict[str, int]:
+        out = dict(gemv_regions) if plan.gemv_tiles else {}
+        if plan.expert_tiles:
+            out.update(expert_weight_regions(run.lowered))
+        return out
+
+    def use_layout(want: dict[str, int]) -> None:
+        for name in set(tiled_now) | set(want):
+            if (name in tiled_now) != (name in want):
+                k = want.get(name, tiled_now.get(name))
                 reg = run.lowered.memory.regions[name]
                 w = run.mem.arena[reg.offset:reg.offset + reg.nbytes].view(torch.bfloat16).view(-1, k)
-                w.copy_(tile(w) if tiles else untile(w))
-            torch.cuda.synchronize()
-            layout["tiles"] = tiles
+                w.copy_(tile(w) if name in want else untile(w))
+        torch.cuda.synchronize()
+        tiled_now.clear()
+        tiled_now.update(want)
 
     ref_logits, ref_next = one_step(run.kernel)[:2]
     builds = {"default": run.kernel}
     checks = {"default": ""}
-    tiles_of = {"default": False}
+    tiles_of = {"default": {}}
     for v in (x for x in args.variants.split(";") if x):
         kv = {k: _value(run.plan, k, x) for k, x in (f.split("=") for f in v.split(","))}
         t1 = time.perf_counter()
         plan = dataclasses.replace(run.plan, **kv)
         if plan.gemv_tiles:
-            plan = plan.with_tasks(tiled_rows(run.lowered, list(plan.tasks), tiled_regions))
-        tiles_of[v] = plan.gemv_tiles
+            plan = plan.with_tasks(tiled_rows(run.lowered, list(plan.tasks), gemv_regions))
+        tiles_of[v] = regions_of(plan)
         mk = Megakernel(plan)
         use_layout(tiles_of[v])
         logits, nxt = one_step(mk)[:2]
@@ -109,7 +117,7 @@ def main() -> None:
             use_layout(tiles_of[v])
             times[v].append(median_us(gr.replay, args.reps))
             builds[v].check()
-    use_layout(False)
+    use_layout({})
     base = sorted(times["default"])[len(times["default"]) // 2]
     print(f"\n| {args.config} B={args.batch} | step us (median round) | vs default | rounds | check |\n|---|---|---|---|---|")
     for v, ts in times.items():

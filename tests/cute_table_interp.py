@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fusec.backends.cute.plan import GEMV_TILED, NO_EVENT, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode
-from fusec.backends.cute.weight_tiles import tile_gemv_weights, untile
+from fusec.backends.cute.weight_tiles import tile_weights, untile
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.registry import get_op
 
@@ -211,6 +211,8 @@ class Interp:
     def weight_rows(self, a, s, mx, e, rows_per_expert, n0, n1, k):
         """fp32 rows n0..n1 of expert e (bf16 [E*R, K] or MXFP4 packed [E*R, K/2] + scales)."""
         r0, r1 = e * rows_per_expert + n0, e * rows_per_expert + n1
+        if not mx and self.plan.expert_tiles:     # 16-row tiles of all experts' rows
+            return untile(self.mat(a, -(-r1 // 16) * 16, k, k))[r0:r1].float()
         if not mx:
             return self.mat(a, r1, k, k)[r0:r1].float()
         packed = self.t(a, torch.uint8, (r1, k // 2), (k // 2, 1))[r0:r1]
@@ -367,14 +369,13 @@ class Interp:
 
 def interp_on_arena(low, weights, mutate=None, plan_options=None):
     """A CPU arena bound with `weights` (the lowered graph's) and an interpreter over its table
-    (`mutate(rows) -> rows` plants a bug first; `plan_options` as the runner's: gemv_tiles
-    repacks the GEMV weights as CuteRunner does). Returns (bound arena, Interp)."""
+    (`mutate(rows) -> rows` plants a bug first; `plan_options` as the runner's: gemv_tiles and
+    expert_tiles repack their weights as CuteRunner does). Returns (bound arena, Interp)."""
     from fusec.backends.cute.lower import bind_weights
 
     bound = low.memory.bind("cpu")
     bind_weights(low, bound, weights)
-    if (plan_options or {}).get("gemv_tiles"):
-        tile_gemv_weights(low, bound)
+    tile_weights(low, bound, plan_options)
     plan = low.plan(base=0, **(plan_options or {}))
     if mutate:
         plan = plan.with_tasks(mutate(list(plan.tasks)))

@@ -162,10 +162,10 @@ def test_all_bodies_compile_for_sm90a_and_pass_audit(cutlass_available, tmp_path
     assert "bar.sync" in ptx or "barrier.sync" in ptx  # KDA / ATTN_RES / ROUTER block reductions
 
 
-def _expert_plan(ks, *, threads=512, batch=16, stream="ring") -> KernelPlan:
+def _expert_plan(ks, *, threads=512, batch=16, stream="ring", tiles=False) -> KernelPlan:
     tasks = tuple(TaskRow(Opcode.EXPERT_BF16, i, n1=16, k=k, p0=1, p1=16, p2=1) for i, k in enumerate(ks))
     return KernelPlan(tasks=tasks, queues=(tuple(range(len(ks))),), num_events=1, batch=batch,
-                      threads=threads, expert_stream=stream, name="experts")
+                      threads=threads, expert_stream=stream, expert_tiles=tiles, name="experts")
 
 
 def test_expert_ring_stage_bytes():
@@ -262,7 +262,8 @@ def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
     gemv = tuple(TaskRow(Opcode.GEMV_BF16, i, n0=0, n1=376, k=7168) for i in range(2))
     gemv_plan = KernelPlan(tasks=gemv, queues=((0, 1),), num_events=1, batch=batch, gemv="mma", name="gemv")
     for name, plan in (("experts", _expert_plan((3584, 3072), batch=batch, stream="regs")), ("gemv", gemv_plan),
-                       ("gemv_tiles", dataclasses.replace(gemv_plan, gemv_tiles=True))):
+                       ("gemv_tiles", dataclasses.replace(gemv_plan, gemv_tiles=True)),
+                       ("expert_tiles", _expert_plan((3584, 3072), batch=batch, stream="regs", tiles=True))):
         _, _, dump = compile_plan(plan, tmp_path / name, keep_ptx=True)
         res = ptxas_resources(next(dump.glob("*.ptx")))
         assert res.registers <= 128 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0, (name, str(res))
@@ -277,4 +278,6 @@ def test_gemv_tiles_needs_the_tensor_core_body():
     for bad in (dict(batch=1), dict(l2_ahead=2), dict(gemv="simt")):
         with pytest.raises(ValueError, match="gemv_tiles"):
             dataclasses.replace(ok, **bad)
+    with pytest.raises(ValueError, match="expert_tiles"):       # the ring copies row-major runs
+        _expert_plan((3584,), stream="ring", tiles=True)
 

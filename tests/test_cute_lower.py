@@ -406,3 +406,20 @@ def test_gemv_tiles_table_matches_reference(module, config):
     errs, same = _interp_run(g, prog, low, steps=3, seed=4, module=module, plan_options={"gemv_tiles": True})
     assert max(errs) == 0.0 and same, errs
 
+
+def test_expert_tiles_table_matches_reference():
+    """KernelPlan.expert_tiles (with gemv_tiles): every EXPERT_BF16 weight repacked into 16-row
+    tiles per expert; the interpreter reads the experts' rows as tiles and K3 tiny's table (bf16
+    experts) still computes the reference bit for bit. A weight that cannot tile is refused, not read wrongly."""
+    from fusec.backends.cute.weight_tiles import TileLayoutError, expert_weight_regions
+
+    g = kimi_k3.build_graph("tiny", expert_dtype="bf16")
+    prog, low = lower_for_cute(g, 4, L)
+    assert len(expert_weight_regions(low)) >= 3          # gate, up, down of the MoE layers
+    opts = {"gemv_tiles": True, "expert_tiles": True}
+    errs, same = _interp_run(g, prog, low, steps=3, seed=5, module=kimi_k3, plan_options=opts)
+    assert max(errs) == 0.0 and same, errs
+    rows = [dataclasses.replace(r, aux=r.aux + 8) if r.opcode == Opcode.EXPERT_BF16 else r for r in low.rows]
+    with pytest.raises(TileLayoutError, match="16-row tiles"):
+        dataclasses.replace(low, rows=rows).plan(base=0, expert_tiles=True)
+

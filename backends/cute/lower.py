@@ -94,6 +94,9 @@ class Lowered:
             # The rows whose weights tile_gemv_weights repacks (the binder's job) read tiles.
             from .weight_tiles import gemv_weight_regions, tiled_rows
             rows = tiled_rows(self, rows, gemv_weight_regions(self)[0])
+        if kw.get("expert_tiles"):
+            from .weight_tiles import expert_weight_regions
+            expert_weight_regions(self)     # every expert weight tiles, or TileLayoutError
         kw.setdefault("threads", 512)
         # Batch 1 streams on CUDA cores: 8 chunks in flight per lane measured 3.8% faster on the
         # H200 (slice4-e128, 3439 -> 3309 us); the tensor-core bodies at batch > 1 keep 4.

@@ -447,6 +447,9 @@ class KernelPlan:
     # 15's microbenchmark: 3.66-3.80 TB/s against 2.2 for row-major at 512 threads). Off: not
     # yet measured in the megakernel.
     gemv_tiles: bool = False
+    # EXPERT_BF16 register body: every expert weight in 16-row tiles per expert (the same layout;
+    # the runner repacks them). Off: not yet measured.
+    expert_tiles: bool = False
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -483,6 +486,9 @@ class KernelPlan:
             raise ValueError(f"expert_stream {self.expert_stream!r} must be 'regs' or 'ring'")
         if self.gemv_tiles and (not self.gemv_mma or self.l2_ahead or self.ranks > 1):
             raise ValueError("gemv_tiles needs the tensor-core GEMV body (gemv_mma), l2_ahead 0 and one rank")
+        if self.expert_tiles and (self.expert_stream != "regs" or self.l2_ahead or self.ranks > 1):
+            raise ValueError("expert_tiles needs the register expert body (expert_stream 'regs'), l2_ahead 0 "
+                             "and one rank")
         if self.expert_cols not in (8, 16):
             raise ValueError(f"expert_cols {self.expert_cols} must be 8 or 16")
         if self.mxfp4_decode not in ("f16", "lut"):

@@ -74,7 +74,7 @@ class CuteRunner:
         from fusec.backends.reference.ranks import materialize_weights
         from .lower import bind_weights, lower_schedule
         from .runtime import Megakernel
-        from .weight_tiles import tile_gemv_weights
+        from .weight_tiles import tile_weights
 
         check_cute_args(program, device, precision)
         self.dims, self.device = dims, device
@@ -83,8 +83,7 @@ class CuteRunner:
         self.mem = self.lowered.memory.bind(device)
         with torch.no_grad():
             bind_weights(self.lowered, self.mem, materialize_weights(g, weights, 0, "bf16"))
-            if (plan_options or {}).get("gemv_tiles"):
-                tile_gemv_weights(self.lowered, self.mem)
+            tile_weights(self.lowered, self.mem, plan_options)
         self.plan = self.lowered.plan(base=self.mem.base, **(plan_options or {}))
         self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device)
         self._init_host()

@@ -1,5 +1,5 @@
-"""GEMV_BF16 weights in 16-row tiles (`KernelPlan.gemv_tiles`): the layout the tensor-core body
-reads as 512 contiguous bytes per warp load.
+"""GEMV_BF16 and EXPERT_BF16 weights in 16-row tiles (`KernelPlan.gemv_tiles`, `expert_tiles`): the
+layout the tensor-core bodies read as 512 contiguous bytes per warp load.
 
 The tensor-core GEMV gives lane (g, q) 16 bytes of weight rows g and g + 8 at columns
 32 c + 8 q .. + 8 of each 32-column chunk c. On row-major weights one warp load touches 64 bytes
@@ -92,15 +92,64 @@ def tiled_rows(low, rows, tiled: dict[str, int]):
     return out
 
 
-def tile_gemv_weights(low, bound) -> dict[str, int]:
-    """Permute every GEMV_BF16 weight region of the bound arena into tiles (in place); records
-    and returns them as `bound.tiled` (region -> K)."""
+def expert_weight_regions(low) -> dict[str, int]:
+    """Region -> K of every EXPERT_BF16 weight region (gate / DOWN at A0, up at A5), for
+    `KernelPlan.expert_tiles`, which reads all of them as tiles: each must be bf16 with whole
+    16-row tiles per expert (rows per expert, AUX, a multiple of 16) and read by nothing else
+    (TileLayoutError otherwise)."""
+    mem = low.memory
+    spans = sorted((r.offset, r.offset + r.nbytes, n) for n, r in mem.regions.items())
+    starts = [s[0] for s in spans]
+
+    def region(addr):
+        i = bisect.bisect_right(starts, addr) - 1
+        return spans[i] if i >= 0 and addr < spans[i][1] else None
+
+    ks: dict[str, int] = {}
+    for r, fields in zip(low.rows, low.addr_fields):
+        if r.opcode != Opcode.EXPERT_BF16:
+            continue
+        for f in (f for f in ("a0", "a5") if f in fields):     # DOWN rows have no up matrix
+            lo, hi, name = region(getattr(r, f))
+            if ks.setdefault(name, r.k) != r.k or mem.regions[name].dtype is not DType.bf16 or r.k % COLS \
+                    or r.aux % ROWS or (hi - lo) % (ROWS * r.k * 2) or (getattr(r, f) - lo) % (ROWS * r.k * 2):
+                raise TileLayoutError(f"expert weight {name} (K {r.k}, {r.aux} rows per expert) is not whole "
+                                      f"{ROWS}-row tiles per expert")
+    for r, fields in zip(low.rows, low.addr_fields):
+        for f in fields:
+            if (r.opcode == Opcode.EXPERT_BF16 and f in ("a0", "a5")) or f == "pf_addr":
+                continue
+            hit = region(getattr(r, f))
+            if hit and hit[2] in ks:
+                raise TileLayoutError(f"{r.opcode.name} row {r.task_id} reads expert weight {hit[2]} ({f})")
+    return ks
+
+
+def tile_regions(low, bound, regions: dict[str, int]) -> dict[str, int]:
+    """Permute the bound arena's `regions` (name -> K) into tiles, in place; records them in
+    `bound.tiled` (region -> K) and returns it."""
     import torch
 
-    regions = gemv_weight_regions(low)[0]
     for name, k in regions.items():
+        if name in bound.tiled:
+            continue
         reg = low.memory.regions[name]
         flat = bound.arena[reg.offset:reg.offset + reg.nbytes].view(torch.bfloat16).view(-1, k)
         flat.copy_(tile(flat))
-    bound.tiled = dict(regions)
+        bound.tiled[name] = k
     return bound.tiled
+
+
+def tile_gemv_weights(low, bound) -> dict[str, int]:
+    """Tile every GEMV_BF16 weight region that can tile (`gemv_weight_regions`)."""
+    return tile_regions(low, bound, gemv_weight_regions(low)[0])
+
+
+def tile_weights(low, bound, plan_options: dict | None) -> None:
+    """What a binder does after `bind_weights` for the plan options it will build with:
+    gemv_tiles and expert_tiles repack their regions."""
+    opts = plan_options or {}
+    if opts.get("gemv_tiles"):
+        tile_gemv_weights(low, bound)
+    if opts.get("expert_tiles"):
+        tile_regions(low, bound, expert_weight_regions(low))

@@ -22,12 +22,18 @@ def ref(name, args, **attrs):
     return get_op(name).ref(list(args), attrs)
 
 
-@pytest.mark.parametrize("batch,stream,cols", [(1, "regs", 8), (4, "regs", 8), (16, "regs", 8), (16, "regs", 16),
-                                               (1, "ring", 8), (4, "ring", 8), (16, "ring", 8)])
-def test_k3_bodies_match_registry(batch, stream, cols):
+@pytest.mark.parametrize("batch,stream,cols,tiles", [(1, "regs", 8, False), (4, "regs", 8, False),
+                                                     (16, "regs", 8, False), (16, "regs", 16, False),
+                                                     (4, "regs", 8, True), (16, "regs", 8, True),
+                                                     (1, "ring", 8, False), (4, "ring", 8, False),
+                                                     (16, "ring", 8, False)])
+def test_k3_bodies_match_registry(batch, stream, cols, tiles):
     """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
-    width (KernelPlan.expert_cols). 64 pairs over 8 experts at B = 16: experts chosen by more
-    pairs than a group holds take several groups."""
+    width (KernelPlan.expert_cols); `tiles`: its weights in 16-row tiles (expert_tiles; the
+    references use the row-major weights). 64 pairs over 8 experts at B = 16: experts chosen by
+    more pairs than a group holds take several groups."""
+    from fusec.backends.cute.weight_tiles import tile
+
     gen = torch.Generator(device="cuda").manual_seed(batch)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     e, d, inter, k = 8, 256, 128, 4
@@ -46,11 +52,12 @@ def test_k3_bodies_match_registry(batch, stream, cols):
          for n, kk in ((inter, d), (inter, d), (d, inter))]
     hin = r(batch, k, inter).to(BF)
     outs = []
-    for i, (a1, a3, a2) in enumerate(((w1, w3, w2), q)):
+    wt = [tile(w.reshape(-1, w.shape[-1])).view(w.shape) if tiles else w for w in (w1, w3, w2)]
+    for i, ((a1, a3, a2), (t1, t3, t2)) in enumerate(zip(((w1, w3, w2), q), (wt, q))):
         h = torch.full((batch, k, inter), float("nan"), device="cuda", dtype=BF)
         y = torch.full((batch, k, d), float("nan"), device="cuda")
-        tasks += wl.expert_glu_tasks(x, ids, a1, a3, h, 3, 100 + 100 * i)
-        tasks += wl.expert_down_tasks(hin, ids, a2, y, 2, 150 + 100 * i)
+        tasks += wl.expert_glu_tasks(x, ids, t1, t3, h, 3, 100 + 100 * i)
+        tasks += wl.expert_down_tasks(hin, ids, t2, y, 2, 150 + 100 * i)
         outs.append((h, y, a1, a3, a2))
     # moe_combine (EW WSUM) on its own input: the 16-byte path (fp32 slots, aligned) and an
     # unaligned view of the same slots (the scalar path).
@@ -82,7 +89,7 @@ def test_k3_bodies_match_registry(batch, stream, cols):
               wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 404, c=gl[1:], head_dim=3583, eps=1e-6)]
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
-                      name=f"k3b_b{batch}_{stream}_{cols}")
+                      expert_tiles=tiles, name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
