@@ -42,18 +42,24 @@ def untile(t):
     return t.reshape(r // ROWS, k // COLS, ROWS, COLS).permute(0, 2, 1, 3).contiguous().reshape(r, k)
 
 
-def gemv_weight_regions(low) -> tuple[dict[str, int], dict[str, str]]:
-    """(tiled, kept): region -> K for every region GEMV_BF16 rows read their weights from (A0)
-    that can be tiled, and region -> why not for the others, which stay row-major. A region
-    tiles when it is bf16, read with one K, made of whole 16-row tiles with every row's matrix
-    base on a tile, and read by nothing else (a row's PF_ADDR prefetch hint aside)."""
-    mem = low.memory
+def _region_of(mem):
+    """addr (arena offset) -> (start, end, name) of the region holding it, or None."""
     spans = sorted((r.offset, r.offset + r.nbytes, n) for n, r in mem.regions.items())
     starts = [s[0] for s in spans]
 
     def region(addr):
         i = bisect.bisect_right(starts, addr) - 1
         return spans[i] if i >= 0 and addr < spans[i][1] else None
+    return region
+
+
+def gemv_weight_regions(low) -> tuple[dict[str, int], dict[str, str]]:
+    """(tiled, kept): region -> K for every region GEMV_BF16 rows read their weights from (A0)
+    that can be tiled, and region -> why not for the others, which stay row-major. A region
+    tiles when it is bf16, read with one K, made of whole 16-row tiles with every row's matrix
+    base on a tile, and read by nothing else (a row's PF_ADDR prefetch hint aside)."""
+    mem = low.memory
+    region = _region_of(mem)
 
     ks: dict[str, int] = {}
     kept: dict[str, str] = {}
@@ -98,12 +104,7 @@ def expert_weight_regions(low) -> dict[str, int]:
     16-row tiles per expert (rows per expert, AUX, a multiple of 16) and read by nothing else
     (TileLayoutError otherwise)."""
     mem = low.memory
-    spans = sorted((r.offset, r.offset + r.nbytes, n) for n, r in mem.regions.items())
-    starts = [s[0] for s in spans]
-
-    def region(addr):
-        i = bisect.bisect_right(starts, addr) - 1
-        return spans[i] if i >= 0 and addr < spans[i][1] else None
+    region = _region_of(mem)
 
     ks: dict[str, int] = {}
     for r, fields in zip(low.rows, low.addr_fields):
