@@ -22,23 +22,13 @@ import time
 import torch
 
 import fusec
+from _plan_args import plan_config_args, plan_fields  # benchmarks/_plan_args.py
 from _timing import median_us  # benchmarks/_timing.py (this script's folder)
-
-
-def _value(plan, field: str, text: str):
-    cur = getattr(plan, field)
-    if isinstance(cur, bool):     # bool("False") is True
-        if text not in ("True", "False"):
-            raise SystemExit(f"plan_variants: error: {field} takes True or False, not {text!r}")
-        return text == "True"
-    return type(cur if cur is not None else 0)(text)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="slice4-e128")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=4096)
+    plan_config_args(ap)
     ap.add_argument("--variants", default="", help="';'-separated 'field=value[,field=value]' plan settings")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
@@ -96,7 +86,7 @@ def main() -> None:
     checks = {"default": ""}
     tiles_of = {"default": {}}
     for v in (x for x in args.variants.split(";") if x):
-        kv = {k: _value(run.plan, k, x) for k, x in (f.split("=") for f in v.split(","))}
+        kv = plan_fields(run.plan, v, "plan_variants")
         t1 = time.perf_counter()
         plan = dataclasses.replace(run.plan, **kv)
         if plan.gemv_tiles:

@@ -28,6 +28,8 @@ from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources  # n
 from fusec.compiler import lower_for_cute  # noqa: E402
 from fusec.models import kimi_k3  # noqa: E402
 
+from _plan_args import plan_config_args, plan_fields  # noqa: E402  (benchmarks/_plan_args.py)
+
 
 def resources(plan) -> str:
     """ptxas -v of the plan's kernel, compiled on the CPU."""
@@ -38,9 +40,7 @@ def resources(plan) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="slice4-e128")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=4096)
+    plan_config_args(ap)
     ap.add_argument("--variant", default="", help="KernelPlan fields, 'field=value,...'")
     ap.add_argument("--only", default="", help="comma list of opcodes (default: every one the table uses)")
     ap.add_argument("--no-whole", action="store_true", help="skip the whole kernel")
@@ -49,10 +49,7 @@ def main() -> int:
         sys.exit("ptxas_bodies: error: no ptxas on PATH or in /usr/local/cuda*/bin")
     low = lower_for_cute(kimi_k3.build_graph(args.config), args.batch, args.max_len)[1]
     plan = low.plan(base=0)
-    for f in (f for f in args.variant.split(",") if f):
-        k, v = f.split("=")
-        cur = getattr(plan, k)
-        plan = dataclasses.replace(plan, **{k: (v == "True") if isinstance(cur, bool) else type(cur if cur is not None else 0)(v)})
+    plan = dataclasses.replace(plan, **plan_fields(plan, args.variant, "ptxas_bodies"))
     wanted = [Opcode[o] for o in args.only.split(",") if o] or [o for o in plan.opcodes if o != Opcode.NOP]
     rows = []
     if not args.no_whole:
