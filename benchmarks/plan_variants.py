@@ -61,8 +61,9 @@ def main() -> None:
     # gemv_tiles / expert_tiles variants read weights repacked into 16-row tiles (weight_tiles.py):
     # their GEMV rows carry GEMV_TILED, and the arena's weights are permuted in place to the
     # layout of the build about to run (a few tens of ms per switch, outside the timed replays).
+    # The default build's own layout is weight_tiles.tile_options' choice (tiled at batch > 1).
     gemv_regions = gemv_weight_regions(run.lowered)[0]
-    tiled_now: dict[str, int] = {}
+    tiled_now: dict[str, int] = dict(run.mem.tiled)
 
     def regions_of(plan) -> dict[str, int]:
         out = dict(gemv_regions) if plan.gemv_tiles else {}
@@ -84,13 +85,12 @@ def main() -> None:
     ref_logits, ref_next = one_step(run.kernel)[:2]
     builds = {"default": run.kernel}
     checks = {"default": ""}
-    tiles_of = {"default": {}}
+    tiles_of = {"default": dict(run.mem.tiled)}
     for v in (x for x in args.variants.split(";") if x):
         kv = plan_fields(run.plan, v, "plan_variants")
         t1 = time.perf_counter()
         plan = dataclasses.replace(run.plan, **kv)
-        if plan.gemv_tiles:
-            plan = plan.with_tasks(tiled_rows(run.lowered, list(plan.tasks), gemv_regions))
+        plan = plan.with_tasks(tiled_rows(run.lowered, list(plan.tasks), gemv_regions if plan.gemv_tiles else {}))
         tiles_of[v] = regions_of(plan)
         mk = Megakernel(plan)
         use_layout(tiles_of[v])
@@ -107,7 +107,7 @@ def main() -> None:
             use_layout(tiles_of[v])
             times[v].append(median_us(gr.replay, args.reps))
             builds[v].check()
-    use_layout({})
+    use_layout(tiles_of["default"])
     base = sorted(times["default"])[len(times["default"]) // 2]
     print(f"\n| {args.config} B={args.batch} | step us (median round) | vs default | rounds | check |\n|---|---|---|---|---|")
     for v, ts in times.items():

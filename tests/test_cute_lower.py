@@ -423,3 +423,42 @@ def test_expert_tiles_table_matches_reference():
     with pytest.raises(TileLayoutError, match="16-row tiles"):
         dataclasses.replace(low, rows=rows).plan(base=0, expert_tiles=True)
 
+
+
+def test_tile_options_default_on_at_batch_over_one():
+    """weight_tiles.tile_options (what CuteRunner and --emit cute build with): both tile options
+    on at batch > 1 where the layout allows, GEMV tiles off at batch 1 (CUDA-core GEMV reads
+    row-major), both off with l2_ahead; a caller's explicit choice stands; the table is flagged
+    to match, and only GEMV_BF16 rows' P1 is touched (P1 means other things in other bodies)."""
+    from fusec.backends.cute.plan import GEMV_TILED
+    from fusec.backends.cute.weight_tiles import tile_options, tiled_rows
+
+    g = kimi_k3.build_graph("tiny", expert_dtype="bf16")
+    low4 = lower_for_cute(g, 4, L)[1]
+    assert tile_options(low4, None) == {"gemv_tiles": True, "expert_tiles": True}
+    assert tile_options(low4, {"gemv_tiles": False}) == {"gemv_tiles": False, "expert_tiles": True}
+    assert tile_options(low4, {"l2_ahead": 2}) == {"l2_ahead": 2, "gemv_tiles": False, "expert_tiles": False}
+    assert tile_options(low4, {"expert_stream": "ring"})["expert_tiles"] is False
+    assert tile_options(lower_for_cute(g, 1, L)[1], None) == {"gemv_tiles": False, "expert_tiles": True}
+    mx4 = lower_for_cute(kimi_k3.build_graph("tiny"), 4, L)[1]      # MXFP4 experts: no EXPERT_BF16 rows
+    assert tile_options(mx4, None) == {"gemv_tiles": True, "expert_tiles": False}
+    # a variant over the tiled table with gemv_tiles off clears the flag again
+    plan = low4.plan(base=0, **tile_options(low4, None))
+    assert any(r.p1 & GEMV_TILED for r in plan.tasks)
+    assert not any(r.p1 & GEMV_TILED for r in tiled_rows(low4, list(plan.tasks), {}))
+    other = [dataclasses.replace(r, p1=r.p1 | GEMV_TILED) if r.opcode != Opcode.GEMV_BF16 else r for r in plan.tasks]
+    again = tiled_rows(low4, other, {})
+    assert [r for r in again if r.opcode != Opcode.GEMV_BF16] == [r for r in other if r.opcode != Opcode.GEMV_BF16]
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_speed_config_tables_verify_with_default_tiles(batch):
+    """The slice4-e128 tables the speed benchmark runs (CuteRunner: weight_tiles.tile_options)
+    pass the table verifier that `plan()` runs, at every batch of the table of record."""
+    from fusec.backends.cute.weight_tiles import tile_options
+
+    low = lower_for_cute(kimi_k3.build_graph("slice4-e128"), batch, 4096)[1]
+    opts = tile_options(low, None)
+    assert opts == {"gemv_tiles": batch > 1, "expert_tiles": True}
+    plan = low.plan(base=0, **opts)
+    assert plan.gemv_tiles == (batch > 1) and plan.expert_tiles

@@ -6,7 +6,8 @@ Writes into the output folder (CPU only; CUTE_DSL_ARCH=sm_90a is set for the com
   cute/task_table.txt     rows per CTA queue; addresses as arena byte offsets (no device pointers);
                           a multi-rank schedule writes task_table.rank<r>.txt for every rank r
                           (one kernel serves them all: its source depends on R, not on the rank)
-  cute/memory_plan.txt    arena regions and views
+  cute/memory_plan.txt    arena regions and views, and the weight regions the kernel reads as
+                          16-row tiles (weight_tiles.tile_options: batch > 1)
   cute/audit.txt          PTX audit (P1-P3) summary and violations, compile time
   cute/<kernel>.h / .o    with aot=True: `export_to_c` header and sm_90a object
 """
@@ -34,9 +35,14 @@ def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]
     from .ptx_audit import audit_dir
 
     out = pathlib.Path(out) / "cute"
+    from .weight_tiles import expert_weight_regions, gemv_weight_regions, tile_options
+
     lows = lower_ranks(prog.schedule)
     low = lows[0]
-    plan = low.plan(base=0)
+    opts = tile_options(low, None)      # the options CuteRunner builds with: this is the kernel that runs
+    plan = low.plan(base=0, **opts)
+    tiled = {**(gemv_weight_regions(low)[0] if plan.gemv_tiles else {}),
+             **(expert_weight_regions(low) if plan.expert_tiles else {})}
     for other in lows[1:]:
         other.plan(base=0)                    # every rank's packed table through the table verifier
     build = out / "build"
@@ -55,7 +61,9 @@ def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]
         written.append(_write_text(out / "task_table.txt", low.table_text() + "\n"))
     else:
         written += [_write_text(out / f"task_table.rank{lw.rank}.txt", lw.table_text() + "\n") for lw in lows]
-    written.append(_write_text(out / "memory_plan.txt", low.memory.describe() + "\n"))
+    # A binder must repack these regions as weight_tiles.tile does before the kernel runs.
+    tiles = "".join(f"# weight region {n} (K {k}) in 16x32 tiles (weight_tiles.tile)\n" for n, k in sorted(tiled.items()))
+    written.append(_write_text(out / "memory_plan.txt", low.memory.describe() + "\n" + tiles))
     audit = "\n".join([rep.summary(), *("  " + v for v in rep.violations),
                        f"bodies: {', '.join(o.name for o in plan.opcodes)}",
                        f"cpu compile (sm_90a, ptxas): {secs:.1f} s"])

@@ -565,12 +565,12 @@ class KernelPlan:
                                  f"LDX={t.ldx} and LDY={t.ldy} of 8 (16-byte rows), N0 <= N1")
 
     def _mma_fits(self) -> bool:
-        return all(t.k % 32 == 0 for t in self.tasks if t.opcode == Opcode.GEMV_BF16)
+        return gemv_mma_fits(self.tasks)
 
     @property
     def gemv_mma(self) -> bool:
         """GEMV_BF16 rows run on tensor cores (the template's switch)."""
-        return self.gemv == "mma" or (self.gemv == "auto" and self.batch > 1 and self._mma_fits())
+        return gemv_on_tensor_cores(self.gemv, self.batch, self.tasks)
 
     @property
     def gemv_warps_per_unit(self) -> int:
@@ -647,3 +647,13 @@ def split_rows(n: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, start + size))
         start += size
     return out
+
+
+def gemv_mma_fits(rows) -> bool:
+    """Every GEMV_BF16 row's K splits into the tensor-core body's 32-column chunks."""
+    return all(t.k % 32 == 0 for t in rows if t.opcode == Opcode.GEMV_BF16)
+
+
+def gemv_on_tensor_cores(gemv: str, batch: int, rows) -> bool:
+    """KernelPlan.gemv resolved: "auto" takes the tensor-core body at batch > 1 when K fits."""
+    return gemv == "mma" or (gemv == "auto" and batch > 1 and gemv_mma_fits(rows))

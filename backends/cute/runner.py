@@ -74,17 +74,18 @@ class CuteRunner:
         from fusec.backends.reference.ranks import materialize_weights
         from .lower import bind_weights, lower_schedule
         from .runtime import Megakernel
-        from .weight_tiles import tile_weights
+        from .weight_tiles import tile_options, tile_weights
 
         check_cute_args(program, device, precision)
         self.dims, self.device = dims, device
         self.program, self.lowered = program, lower_schedule(program.schedule)
         g = self.program.graph
         self.mem = self.lowered.memory.bind(device)
+        plan_options = tile_options(self.lowered, plan_options)
         with torch.no_grad():
             bind_weights(self.lowered, self.mem, materialize_weights(g, weights, 0, "bf16"))
             tile_weights(self.lowered, self.mem, plan_options)
-        self.plan = self.lowered.plan(base=self.mem.base, **(plan_options or {}))
+        self.plan = self.lowered.plan(base=self.mem.base, **plan_options)
         self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device)
         self._init_host()
 

@@ -84,7 +84,7 @@ def gemv_weight_regions(low) -> tuple[dict[str, int], dict[str, str]]:
 
 def tiled_rows(low, rows, tiled: dict[str, int]):
     """`rows` (low.rows relocated, in order) with GEMV_TILED set in P1 of the GEMV_BF16 rows whose
-    weights lie in a tiled region."""
+    weights lie in a tiled region and cleared in the others (a plan variant over another layout)."""
     import dataclasses
 
     from .plan import GEMV_TILED
@@ -93,8 +93,11 @@ def tiled_rows(low, rows, tiled: dict[str, int]):
                    for n in tiled)
     out = []
     for src, r in zip(low.rows, rows):
-        hit = r.opcode == Opcode.GEMV_BF16 and any(lo <= src.a0 < hi for lo, hi in spans)
-        out.append(dataclasses.replace(r, p1=r.p1 | GEMV_TILED) if hit else r)
+        if r.opcode != Opcode.GEMV_BF16:        # P1 means other things in other bodies
+            out.append(r)
+            continue
+        hit = any(lo <= src.a0 < hi for lo, hi in spans)
+        out.append(dataclasses.replace(r, p1=(r.p1 & ~GEMV_TILED) | (GEMV_TILED if hit else 0)))
     return out
 
 
@@ -146,9 +149,41 @@ def tile_gemv_weights(low, bound) -> dict[str, int]:
     return tile_regions(low, bound, gemv_weight_regions(low)[0])
 
 
+def tile_options(low, plan_options: dict | None) -> dict:
+    """`plan_options` with gemv_tiles and expert_tiles decided where the caller left them out:
+    on wherever the other options and the weights' layout allow it. The binder (CuteRunner) and
+    `fusec compile --emit cute` both build with this, so the emitted kernel is the one that runs.
+
+    Why on: slice4-e128 on the H200, same build otherwise, same logits bit for bit: B = 16 7813
+    against 8388 us (-6.8%), B = 4 4761 against 5233 (-9.0%) with both
+    (docs/results/plan_variants_h200_slice4-e128_tiles_stop19.log). Batch 1 streams GEMV rows on
+    CUDA cores (KernelPlan.gemv_mma), which read row-major weights; its experts tile: 3119
+    against 3194 us (-2.3%; gemv="mma" with both tiles was -1.6%, _b1_tiles_stop19.log)."""
+    from .plan import gemv_on_tensor_cores
+
+    opts = dict(plan_options or {})
+    simple = low.ranks == 1 and not opts.get("l2_ahead")
+    if "gemv_tiles" not in opts:
+        opts["gemv_tiles"] = bool(simple and gemv_on_tensor_cores(opts.get("gemv", "auto"), low.batch, low.rows)
+                                  and gemv_weight_regions(low)[0])
+    if "expert_tiles" not in opts:
+        has = any(r.opcode == Opcode.EXPERT_BF16 for r in low.rows)
+        opts["expert_tiles"] = bool(simple and has and opts.get("expert_stream", "regs") == "regs"
+                                    and _expert_tiles_fit(low))
+    return opts
+
+
+def _expert_tiles_fit(low) -> bool:
+    try:
+        expert_weight_regions(low)
+    except TileLayoutError:
+        return False
+    return True
+
+
 def tile_weights(low, bound, plan_options: dict | None) -> None:
-    """What a binder does after `bind_weights` for the plan options it will build with:
-    gemv_tiles and expert_tiles repack their regions."""
+    """What a binder does after `bind_weights` for the plan options it will build with
+    (`tile_options`): gemv_tiles and expert_tiles repack their regions."""
     opts = plan_options or {}
     if opts.get("gemv_tiles"):
         tile_gemv_weights(low, bound)
