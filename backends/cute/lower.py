@@ -99,8 +99,11 @@ class Lowered:
             expert_weight_regions(self)     # every expert weight tiles, or TileLayoutError
         kw.setdefault("threads", 512)
         # Batch 1 streams on CUDA cores: 8 chunks in flight per lane measured 3.8% faster on the
-        # H200 (slice4-e128, 3439 -> 3309 us); the tensor-core bodies at batch > 1 keep 4.
-        kw.setdefault("unroll", 8 if self.batch == 1 else 4)
+        # H200 (slice4-e128, 3439 -> 3309 us). At batch 16 over tiled weights (weight_tiles.py) 8
+        # is faster too: 7659 against 7758 us, same logits (it was 2.3% slower on row-major
+        # weights; docs/results/plan_variants_h200_slice4-e128_b16_tiled_stop19.log). Batch 4
+        # keeps 4 (not measured on tiles).
+        kw.setdefault("unroll", 8 if self.batch == 1 or self.batch > 8 else 4)
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)

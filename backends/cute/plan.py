@@ -444,11 +444,12 @@ class KernelPlan:
     expert_cols: int = 8
     # GEMV_BF16 tensor-core bodies: rows flagged GEMV_TILED (P1) read weights the runner repacked
     # into 16-row tiles at bind time, 512 contiguous bytes per warp load (weight_tiles.py; stop
-    # 15's microbenchmark: 3.66-3.80 TB/s against 2.2 for row-major at 512 threads). Off: not
-    # yet measured in the megakernel.
+    # 15's microbenchmark: 3.66-3.80 TB/s against 2.2 for row-major at 512 threads). False here
+    # because the plan cannot repack weights: the binder decides (weight_tiles.tile_options, on
+    # at B > 1) and builds with it.
     gemv_tiles: bool = False
     # EXPERT_BF16 register body: every expert weight in 16-row tiles per expert (the same layout;
-    # the runner repacks them). Off: not yet measured.
+    # the runner repacks them; tile_options turns it on at every batch).
     expert_tiles: bool = False
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
