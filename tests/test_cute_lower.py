@@ -352,8 +352,9 @@ def test_emit_cute_compiles_and_audits(tmp_path):
     # A fresh process, as the CLI runs: export_to_c fails inside a process where another kernel
     # was compiled first (cutlass JIT session, nvidia-cutlass-dsl 4.8.1).
     model = pathlib.Path(llama.__file__).resolve()
+    # Batch 4: the tensor-core GEMV over tiled weights (weight_tiles.tile_options), as CuteRunner builds it.
     r = subprocess.run([sys.executable, "-m", "fusec.cli", "compile", str(model), "--config", "tiny",
-                        "--emit", "cute", "--aot", "--max-len", str(L), "-o", str(tmp_path)],
+                        "--emit", "cute", "--aot", "--batch", "4", "--max-len", str(L), "-o", str(tmp_path)],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
     assert r.returncode == 0, r.stderr
@@ -367,6 +368,10 @@ def test_emit_cute_compiles_and_audits(tmp_path):
     ptx = (d / "megakernel_llama_tiny.ptx").read_text()
     assert ".target sm_90a" in ptx and "ld.acquire.gpu" in ptx
     assert "megakernel_llama_tiny" in (d / "megakernel_llama_tiny.h").read_text()
+    # the binder's contract: which weight regions the kernel reads as 16-row tiles
+    tiled = [ln for ln in (d / "memory_plan.txt").read_text().splitlines() if "16x32 tiles" in ln]
+    assert tiled and all(ln.startswith("# weight region ") for ln in tiled)
+    assert "GEMV_TILED" in (d / "megakernel_llama_tiny.py").read_text()
 
 
 def test_delay_and_profile_variants_compile_and_pass_the_audit(tmp_path):
