@@ -7,7 +7,8 @@ The megakernel is one function, so ptxas reports one register count and one spil
 all of its bodies together. This script compiles the whole kernel and then, for each opcode
 the table uses, a kernel holding only that opcode's rows (the same plan fields, so the same
 compile-time constants), and runs `ptxas -v` on each PTX: which body needs the registers, and
-which one spills at the 512-thread cap of 128. Needs ptxas (CUDA toolkit) on PATH or in
+which one spills at the 512-thread cap of 128. The plan is the one CuteRunner builds (the
+default weight tiles, weight_tiles.tile_options) with --variant's fields. Needs ptxas (CUDA toolkit) on PATH or in
 /usr/local/cuda*/bin; no GPU.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from fusec.backends.cute.codegen import compile_plan  # noqa: E402
 from fusec.backends.cute.plan import Opcode  # noqa: E402
 from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources  # noqa: E402
+from fusec.backends.cute.weight_tiles import tile_options  # noqa: E402
 from fusec.compiler import lower_for_cute  # noqa: E402
 from fusec.models import kimi_k3  # noqa: E402
 
@@ -48,7 +50,7 @@ def main() -> int:
     if find_ptxas() is None:
         sys.exit("ptxas_bodies: error: no ptxas on PATH or in /usr/local/cuda*/bin")
     low = lower_for_cute(kimi_k3.build_graph(args.config), args.batch, args.max_len)[1]
-    plan = low.plan(base=0)
+    plan = low.plan(base=0, **tile_options(low, None))       # the options CuteRunner builds with
     plan = dataclasses.replace(plan, **plan_fields(plan, args.variant, "ptxas_bodies"))
     wanted = [Opcode[o] for o in args.only.split(",") if o] or [o for o in plan.opcodes if o != Opcode.NOP]
     rows = []
