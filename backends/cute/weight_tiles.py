@@ -13,7 +13,8 @@ A tile holds 16 whole rows, so a tiled region keeps every 16-row-aligned matrix 
 offset (a merged projection's parts, kv_b's per-head blocks): `gemv_weight_regions` checks that,
 and that nothing but GEMV_BF16 rows reads the region, before `tile_gemv_weights` permutes the
 bound arena in place. `arena_weights` (runner.py) and the CPU table interpreter read tiled
-regions back through `untile`.
+regions back through `untile`. `tile_options` decides both options where a caller leaves them
+out (on wherever they apply); CuteRunner and `fusec compile --emit cute` build with it.
 """
 from __future__ import annotations
 
