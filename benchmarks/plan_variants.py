@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     from fusec.backends.cute.runtime import Megakernel
-    from fusec.backends.cute.weight_tiles import expert_weight_regions, gemv_weight_regions, tile, tiled_rows, untile
+    from fusec.backends.cute.weight_tiles import (expert_mx_regions, expert_weight_regions, gemv_weight_regions,
+                                                  set_tiled, tiled_rows)
     import fusec.models as m
 
     t0 = time.perf_counter()
@@ -58,7 +59,7 @@ def main() -> None:
             run.mem.tensor(n).copy_(t)
         return out
 
-    # gemv_tiles / expert_tiles variants read weights repacked into 16-row tiles (weight_tiles.py):
+    # gemv_tiles / expert_tiles / expert_mx_mma variants read weights repacked into tiles (weight_tiles.py):
     # their GEMV rows carry GEMV_TILED, and the arena's weights are permuted in place to the
     # layout of the build about to run (a few tens of ms per switch, outside the timed replays).
     # The default build's own layout is weight_tiles.tile_options' choice (tiled at batch > 1).
@@ -69,15 +70,14 @@ def main() -> None:
         out = dict(gemv_regions) if plan.gemv_tiles else {}
         if plan.expert_tiles:
             out.update(expert_weight_regions(run.lowered))
+        if plan.expert_mx_mma:
+            out.update(expert_mx_regions(run.lowered))
         return out
 
     def use_layout(want: dict[str, int]) -> None:
         for name in set(tiled_now) | set(want):
             if (name in tiled_now) != (name in want):
-                k = want.get(name, tiled_now.get(name))
-                reg = run.lowered.memory.regions[name]
-                w = run.mem.arena[reg.offset:reg.offset + reg.nbytes].view(torch.bfloat16).view(-1, k)
-                w.copy_(tile(w) if name in want else untile(w))
+                set_tiled(run.lowered, run.mem, name, want.get(name, tiled_now.get(name)), name in want)
         torch.cuda.synchronize()
         tiled_now.clear()
         tiled_now.update(want)

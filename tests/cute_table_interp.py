@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fusec.backends.cute.plan import GEMV_TILED, NO_EVENT, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode
-from fusec.backends.cute.weight_tiles import tile_weights, untile
+from fusec.backends.cute.weight_tiles import mx_untile, tile_weights, untile
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.registry import get_op
 
@@ -215,6 +215,11 @@ class Interp:
             return untile(self.mat(a, -(-r1 // 16) * 16, k, k))[r0:r1].float()
         if not mx:
             return self.mat(a, r1, k, k)[r0:r1].float()
+        if self.plan.expert_mx_mma:               # MXFP4 tiles of 16 rows x 128 columns
+            r16 = -(-r1 // 16) * 16
+            packed, scale = mx_untile(self.t(a, torch.uint8, (r16, k // 2), (k // 2, 1)),
+                                      self.t(s, torch.uint8, (r16, k // 32), (k // 32, 1)))
+            return MXFP4Tensor(packed[r0:r1], scale[r0:r1]).dequant()
         packed = self.t(a, torch.uint8, (r1, k // 2), (k // 2, 1))[r0:r1]
         scale = self.t(s, torch.uint8, (r1, k // 32), (k // 32, 1))[r0:r1]
         return MXFP4Tensor(packed, scale).dequant()

@@ -168,6 +168,24 @@ def _expert_plan(ks, *, threads=512, batch=16, stream="ring", tiles=False) -> Ke
                       threads=threads, expert_stream=stream, expert_tiles=tiles, name="experts")
 
 
+def _expert_mx_plan(ks, *, batch=16) -> KernelPlan:
+    """EXPERT_MXFP4 rows on tensor cores (expert_mx_mma), GLU then DOWN, with the unroll the
+    runner picks at this batch."""
+    tasks = tuple(TaskRow(Opcode.EXPERT_MXFP4, i, n1=16, k=k, p0=1, p1=16, p2=1, sub=i % 2) for i, k in enumerate(ks))
+    return KernelPlan(tasks=tasks, queues=(tuple(range(len(ks))),), num_events=1, batch=batch,
+                      expert_mx_mma=True, unroll=8 if batch > 8 else 4, name="experts_mx")
+
+
+def test_expert_mx_mma_needs_whole_128_column_chunks():
+    """The MXFP4 tensor-core body reads 128-column chunks of MXFP4 tiles: refused where a row's K
+    is not a multiple of 128, and for rank groups (the binder of a rank group does not repack)."""
+    _expert_mx_plan((3584, 3072))
+    with pytest.raises(ValueError, match="K % 128"):
+        _expert_mx_plan((3584, 3072 + 32))
+    with pytest.raises(ValueError, match="one rank"):
+        dataclasses.replace(_expert_mx_plan((256,)), ranks=2)
+
+
 def test_expert_ring_stage_bytes():
     """The ring body's row bytes per stage divide every EXPERT_BF16 row's K in bytes; its stages
     keep all warps' rings within 128 KB (K3: latent 3584 and expert inter 3072 columns)."""
@@ -263,7 +281,8 @@ def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
     gemv_plan = KernelPlan(tasks=gemv, queues=((0, 1),), num_events=1, batch=batch, gemv="mma", name="gemv")
     for name, plan in (("experts", _expert_plan((3584, 3072), batch=batch, stream="regs")), ("gemv", gemv_plan),
                        ("gemv_tiles", dataclasses.replace(gemv_plan, gemv_tiles=True)),
-                       ("expert_tiles", _expert_plan((3584, 3072), batch=batch, stream="regs", tiles=True))):
+                       ("expert_tiles", _expert_plan((3584, 3072), batch=batch, stream="regs", tiles=True)),
+                       ("expert_mx", _expert_mx_plan((3584, 3072), batch=batch))):
         _, _, dump = compile_plan(plan, tmp_path / name, keep_ptx=True)
         res = ptxas_resources(next(dump.glob("*.ptx")))
         assert res.registers <= 128 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0, (name, str(res))

@@ -430,6 +430,44 @@ def test_expert_tiles_table_matches_reference():
 
 
 
+def test_expert_mx_tiles_table_matches_reference():
+    """KernelPlan.expert_mx_mma: every EXPERT_MXFP4 weight and its scales repacked into MXFP4
+    tiles (weight_tiles.mx_tile); the interpreter reads them back through mx_untile and K3 tiny's
+    table (MXFP4 experts, with the GEMV tiles) still computes the reference bit for bit. A
+    weight that cannot tile is refused, not read wrongly."""
+    from fusec.backends.cute.weight_tiles import TileLayoutError, expert_mx_regions
+
+    g = kimi_k3.build_graph("tiny")
+    prog, low = lower_for_cute(g, 4, L)
+    assert len(expert_mx_regions(low)) >= 3          # gate, up, down of the MoE layers
+    opts = {"gemv_tiles": True, "expert_mx_mma": True}
+    errs, same = _interp_run(g, prog, low, steps=3, seed=6, module=kimi_k3, plan_options=opts)
+    assert max(errs) == 0.0 and same, errs
+    rows = [dataclasses.replace(r, k=r.k - 32) if r.opcode == Opcode.EXPERT_MXFP4 else r for r in low.rows]
+    with pytest.raises(TileLayoutError, match="128-column tiles"):
+        dataclasses.replace(low, rows=rows).plan(base=0, expert_mx_mma=True)
+
+
+def test_expert_mx_tiles_need_scales_up_to_128():
+    """The tensor-core MXFP4 body's block factor 2^(s - 1) is a bf16, so a scale byte above 128
+    cannot be tiled: tile_options leaves expert_mx_mma off for such weights, and the binder
+    refuses to tile them rather than compute with an infinite factor."""
+    from fusec.backends.cute.lower import bind_weights
+    from fusec.backends.cute.weight_tiles import TileLayoutError, expert_mx_regions, tile_options, tile_weights
+
+    g = kimi_k3.build_graph("tiny")
+    prog, low = lower_for_cute(g, 4, L)
+    ws = materialize_weights(prog.graph, random_weights(g, 0, kimi_k3.WEIGHT_INIT), 0, "bf16")
+    assert tile_options(low, None, ws)["expert_mx_mma"] is True
+    name = sorted(expert_mx_regions(low))[0]
+    ws[name].scale[0, 0, 0] = 129
+    assert tile_options(low, None, ws)["expert_mx_mma"] is False
+    bound = low.memory.bind("cpu")
+    bind_weights(low, bound, ws)
+    with pytest.raises(TileLayoutError, match="above 128"):
+        tile_weights(low, bound, {"expert_mx_mma": True})
+
+
 def test_tile_options_default_on_at_batch_over_one():
     """weight_tiles.tile_options (what CuteRunner and --emit cute build with): both tile options
     on at batch > 1 where the layout allows, GEMV tiles off at batch 1 (CUDA-core GEMV reads
@@ -440,13 +478,15 @@ def test_tile_options_default_on_at_batch_over_one():
 
     g = kimi_k3.build_graph("tiny", expert_dtype="bf16")
     low4 = lower_for_cute(g, 4, L)[1]
-    assert tile_options(low4, None) == {"gemv_tiles": True, "expert_tiles": True}
-    assert tile_options(low4, {"gemv_tiles": False}) == {"gemv_tiles": False, "expert_tiles": True}
-    assert tile_options(low4, {"l2_ahead": 2}) == {"l2_ahead": 2, "gemv_tiles": False, "expert_tiles": False}
+    off = {"expert_mx_mma": False}      # bf16 experts: no EXPERT_MXFP4 rows
+    assert tile_options(low4, None) == {"gemv_tiles": True, "expert_tiles": True, **off}
+    assert tile_options(low4, {"gemv_tiles": False}) == {"gemv_tiles": False, "expert_tiles": True, **off}
+    assert tile_options(low4, {"l2_ahead": 2}) == {"l2_ahead": 2, "gemv_tiles": False, "expert_tiles": False, **off}
     assert tile_options(low4, {"expert_stream": "ring"})["expert_tiles"] is False
-    assert tile_options(lower_for_cute(g, 1, L)[1], None) == {"gemv_tiles": False, "expert_tiles": True}
+    assert tile_options(lower_for_cute(g, 1, L)[1], None) == {"gemv_tiles": False, "expert_tiles": True, **off}
     mx4 = lower_for_cute(kimi_k3.build_graph("tiny"), 4, L)[1]      # MXFP4 experts: no EXPERT_BF16 rows
-    assert tile_options(mx4, None) == {"gemv_tiles": True, "expert_tiles": False}
+    assert tile_options(mx4, None) == {"gemv_tiles": True, "expert_tiles": False, "expert_mx_mma": True}
+    assert tile_options(mx4, {"l2_ahead": 2})["expert_mx_mma"] is False
     # a variant over the tiled table with gemv_tiles off clears the flag again
     plan = low4.plan(base=0, **tile_options(low4, None))
     assert any(r.p1 & GEMV_TILED for r in plan.tasks)
@@ -464,6 +504,6 @@ def test_speed_config_tables_verify_with_default_tiles(batch):
 
     low = lower_for_cute(kimi_k3.build_graph("slice4-e128"), batch, 4096)[1]
     opts = tile_options(low, None)
-    assert opts == {"gemv_tiles": batch > 1, "expert_tiles": True}
+    assert opts == {"gemv_tiles": batch > 1, "expert_tiles": True, "expert_mx_mma": False}
     plan = low.plan(base=0, **opts)
     assert plan.gemv_tiles == (batch > 1) and plan.expert_tiles

@@ -35,7 +35,7 @@ def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]
     from .ptx_audit import audit_dir
 
     out = pathlib.Path(out) / "cute"
-    from .weight_tiles import expert_weight_regions, gemv_weight_regions, tile_options
+    from .weight_tiles import expert_mx_regions, expert_weight_regions, gemv_weight_regions, tile_options
 
     lows = lower_ranks(prog.schedule)
     low = lows[0]
@@ -62,7 +62,10 @@ def emit_cute(prog, out, *, aot: bool = False) -> tuple[list[pathlib.Path], str]
     else:
         written += [_write_text(out / f"task_table.rank{lw.rank}.txt", lw.table_text() + "\n") for lw in lows]
     # A binder must repack these regions as weight_tiles.tile does before the kernel runs.
+    mx = expert_mx_regions(low) if plan.expert_mx_mma else {}
     tiles = "".join(f"# weight region {n} (K {k}) in 16x32 tiles (weight_tiles.tile)\n" for n, k in sorted(tiled.items()))
+    tiles += "".join(f"# weight region {n} and {n}.scale (K {k}) in MXFP4 tiles (weight_tiles.mx_tile)\n"
+                     for n, k in sorted(mx.items()))
     written.append(_write_text(out / "memory_plan.txt", low.memory.describe() + "\n" + tiles))
     audit = "\n".join([rep.summary(), *("  " + v for v in rep.violations),
                        f"bodies: {', '.join(o.name for o in plan.opcodes)}",

@@ -97,6 +97,9 @@ class Lowered:
         if kw.get("expert_tiles"):
             from .weight_tiles import expert_weight_regions
             expert_weight_regions(self)     # every expert weight tiles, or TileLayoutError
+        if kw.get("expert_mx_mma"):
+            from .weight_tiles import expert_mx_regions
+            expert_mx_regions(self)         # every MXFP4 expert weight tiles, or TileLayoutError
         kw.setdefault("threads", 512)
         # Batch 1 streams on CUDA cores: 8 chunks in flight per lane measured 3.8% faster on the
         # H200 (slice4-e128, 3439 -> 3309 us). At batch 16 over tiled weights (weight_tiles.py) 8

@@ -159,7 +159,9 @@ class Opcode(enum.IntEnum):
                lo << 32 | n, this rank holds experts lo .. lo + n - 1 and the pair's expert is
                ids[b, s] - lo, ids outside store 0 (A7 = 0: every id is this rank's). The bf16 body reads each distinct expert's rows
                once for all the pairs that chose it (grouped after routing, on tensor cores).
-    EXPERT_MXFP4 same with MXFP4 weights; A3 / A6 = e8m0 scales of A0 / A5.
+    EXPERT_MXFP4 same with MXFP4 weights; A3 / A6 = e8m0 scales of A0 / A5. With
+               `expert_mx_mma` the weights and scales are in MXFP4 tiles (weight_tiles.mx_tile)
+               and the body groups the pairs by expert on tensor cores as the bf16 one does.
     EW         elementwise / per-head epilogues, sub-opcode `EwOp` in SUB, columns N0..N1 of
                batch rows K >> 16 .. K & 0xFFFF (K = 0: every batch row): A0 = a [B, LDX],
                A1 = b [B, P0] (P0 = 0 broadcasts a vector), A2 = out [B, LDY], A3 = third
@@ -451,6 +453,12 @@ class KernelPlan:
     # EXPERT_BF16 register body: every expert weight in 16-row tiles per expert (the same layout;
     # the runner repacks them; tile_options turns it on at every batch).
     expert_tiles: bool = False
+    # EXPERT_MXFP4 on tensor cores: pairs grouped by expert like EXPERT_BF16's register body,
+    # weights in MXFP4 tiles (weight_tiles.mx_tile; the binder repacks them), decoded to bf16 in
+    # registers with the block scale applied by one bf16x2 multiply (scale bytes <= 128). False:
+    # the CUDA-core body, a warp per output row and (batch row, slot) pair. tile_options turns
+    # it on wherever the weights tile.
+    expert_mx_mma: bool = False
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -495,6 +503,9 @@ class KernelPlan:
         if self.expert_tiles and (self.expert_stream != "regs" or self.l2_ahead or self.ranks > 1):
             raise ValueError("expert_tiles needs the register expert body (expert_stream 'regs'), l2_ahead 0 "
                              "and one rank")
+        if self.expert_mx_mma and (self.ranks > 1 or any(
+                t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
+            raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")
         if self.expert_cols not in (8, 16):
             raise ValueError(f"expert_cols {self.expert_cols} must be 8 or 16")
         if self.mxfp4_decode not in ("f16", "lut"):
@@ -522,10 +533,10 @@ class KernelPlan:
             if t.opcode == Opcode.ROUTER and (t.k > 32 * ROUTER_PER_LANE or not 0 < t.p0 <= ROUTER_MAX_TOPK):
                 raise ValueError(f"task {t.task_id}: router needs experts <= "
                                  f"{32 * ROUTER_PER_LANE} and 0 < topk <= {ROUTER_MAX_TOPK}")
-            if t.opcode == Opcode.EXPERT_BF16 and (
+            if (t.opcode == Opcode.EXPERT_BF16 or (t.opcode == Opcode.EXPERT_MXFP4 and self.expert_mx_mma)) and (
                     t.k % 32 or ((t.p0 & 0xFFFF) - (t.p0 >> 16)) * ((t.p2 & 0xFFFF) - (t.p2 >> 16))
                     > self.batch * ROUTER_MAX_TOPK):
-                raise ValueError(f"task {t.task_id}: EXPERT_BF16 needs K % 32 == 0 and at most "
+                raise ValueError(f"task {t.task_id}: {t.opcode.name} needs K % 32 == 0 and at most "
                                  f"batch x {ROUTER_MAX_TOPK} (batch row, slot) pairs")
             if t.opcode == Opcode.KDA and t.k != self.kda_head_dim:
                 raise ValueError(f"task {t.task_id}: KDA head dim {t.k}: every KDA row of a kernel needs "

@@ -29,11 +29,16 @@ def arena_weights(graph: Graph, bound) -> dict:
     """The weights exactly as the kernel reads them (MXFP4 rebuilt from its packed/scale regions)."""
     from fusec.ir.quant import MXFP4Tensor
 
-    from .weight_tiles import untile
+    from .weight_tiles import mx_untile, untile
 
     out = {}
     for v in graph.weights():
-        if v.type.dtype is DType.mxfp4:
+        if v.type.dtype is DType.mxfp4 and v.name in bound.tiled:    # MXFP4 tiles (expert_mx_mma)
+            p, s = bound.tensor(v.name), bound.tensor(v.name + ".scale")
+            k = bound.tiled[v.name]
+            out[v.name] = MXFP4Tensor(*(t.reshape(sh) for t, sh in zip(
+                mx_untile(p.reshape(-1, k // 2), s.reshape(-1, k // 32)), (p.shape, s.shape))))
+        elif v.type.dtype is DType.mxfp4:
             out[v.name] = MXFP4Tensor(bound.tensor(v.name), bound.tensor(v.name + ".scale"))
         elif v.name in bound.tiled:     # repacked for plan.gemv_tiles: a row-major copy
             w = bound.tensor(v.name)
@@ -81,9 +86,11 @@ class CuteRunner:
         self.program, self.lowered = program, lower_schedule(program.schedule)
         g = self.program.graph
         self.mem = self.lowered.memory.bind(device)
-        plan_options = tile_options(self.lowered, plan_options)
         with torch.no_grad():
-            bind_weights(self.lowered, self.mem, materialize_weights(g, weights, 0, "bf16"))
+            ws = materialize_weights(g, weights, 0, "bf16")
+            plan_options = tile_options(self.lowered, plan_options, ws)
+            bind_weights(self.lowered, self.mem, ws)
+            del ws
             tile_weights(self.lowered, self.mem, plan_options)
         self.plan = self.lowered.plan(base=self.mem.base, **plan_options)
         self.kernel = Megakernel(self.plan, out_dir=out_dir, device=device)

@@ -25,6 +25,20 @@ from fusec.ir.types import DType
 from .plan import Opcode
 
 ROWS, COLS = 16, 32      # a tile: 16 rows x one 32-column chunk (1 KB of bf16)
+MX_COLS = 128            # an MXFP4 tile: 16 rows x 128 columns (1 KB of nibbles, 64 B of scales)
+# Where value i (column 8 q + i of the lane's 8 in a 32-column block) of an MXFP4 tile word keeps
+# its 3 magnitude bits (lowest bit) and its sign bit. The body decodes a word into the bf16 pairs
+# (0, 1), (2, 3), (4, 5), (6, 7) as w & M, (w << 3) & M, (w << 6) & E | (w << 1) & S and
+# (w >> 3) & E | (w << 2) & S (M = E | S, E = 0x01C001C0, S = 0x80008000): magnitude bits at bf16
+# bits 6..8 of each half and the sign at bit 15 make every E2M1 value exact times 2^-126 (the
+# zero exponent is the bf16 subnormal 0.5 * 2^-126), folded into the block scale. No placement
+# gives all four pairs one shift and one mask (the 3-bit fields and their signs do not tile 32
+# bits that way), so two pairs take their sign bits separately.
+MX_EM = (6, 22, 3, 19, 0, 16, 9, 25)
+MX_SIGN = (15, 31, 12, 28, 14, 30, 13, 29)
+# The body's block factor 2^(s - 1) is a bf16, so every scale byte must be <= 128 (block values
+# up to 12 x 2^0; `mx_scales_fit`).
+MX_MAX_SCALE = 128
 
 
 class TileLayoutError(ValueError):
@@ -41,6 +55,78 @@ def untile(t):
     """Inverse of `tile`."""
     r, k = t.shape
     return t.reshape(r // ROWS, k // COLS, ROWS, COLS).permute(0, 2, 1, 3).contiguous().reshape(r, k)
+
+
+def _mx_words(n):
+    """Nibbles [..., 8] (int32) -> tile words [...] (int32 bits)."""
+    import torch
+
+    em = torch.tensor(MX_EM, dtype=torch.int32, device=n.device)
+    sg = torch.tensor(MX_SIGN, dtype=torch.int32, device=n.device)
+    return (((n & 7) << em) | ((n >> 3) << sg)).sum(-1, dtype=torch.int32)   # disjoint bits: sum is or
+
+
+def mx_tile(packed, scale):
+    """MXFP4 packed [R, K/2] u8 (low nibble = even column) and scales [R, K/32] u8, R % 16 == 0,
+    K % 128 == 0 -> the same values in MXFP4 tiles (module docstring), as (packed, scale) of the
+    same shapes. Word b of lane (g, q) in tile t, chunk c holds columns 128 c + 32 b + 8 q + i of
+    row 16 t + g (first 512 bytes) or + 8 (last 512)."""
+    import torch
+
+    r, kb = packed.shape
+    k = 2 * kb
+    p = packed.to(torch.int32)
+    nib = torch.stack([p & 0xF, p >> 4], -1).reshape(r // ROWS, 2, 8, k // MX_COLS, 4, 4, 8)
+    w = _mx_words(nib.permute(0, 3, 1, 2, 5, 4, 6))          # [tile, chunk, half, g, q, block]
+    out = torch.stack([(w >> (8 * j)) & 0xFF for j in range(4)], -1).to(torch.uint8).reshape(r, kb)
+    sc = scale.reshape(r // ROWS, ROWS, k // MX_COLS, 4).permute(0, 2, 1, 3).contiguous().reshape(r, k // 32)
+    return out, sc
+
+
+def mx_untile(packed, scale):
+    """Inverse of `mx_tile`."""
+    import torch
+
+    r, kb = packed.shape
+    k = 2 * kb
+    b = packed.to(torch.int32).reshape(r // ROWS, k // MX_COLS, 2, 8, 4, 4, 4)
+    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    em = torch.tensor(MX_EM, dtype=torch.int32, device=packed.device)
+    sg = torch.tensor(MX_SIGN, dtype=torch.int32, device=packed.device)
+    n = ((w[..., None] >> em) & 7) | (((w[..., None] >> sg) & 1) << 3)   # [tile, chunk, half, g, q, block, 8]
+    n = n.permute(0, 2, 3, 1, 5, 4, 6).reshape(r, kb, 2)
+    out = (n[..., 0] | (n[..., 1] << 4)).to(torch.uint8)
+    sc = scale.reshape(r // ROWS, k // MX_COLS, ROWS, 4).permute(0, 2, 1, 3).contiguous().reshape(r, k // 32)
+    return out, sc
+
+
+def mx_decode(packed, scale):
+    """fp32 [R, K] of MXFP4 tiles, computed the way the tensor-core body does (bit for bit: the
+    shifts and masks of the MX_EM / MX_SIGN comment, the bf16 factor 2^(s - 1) built as
+    (s + 126) << 7, one bf16 product), in the tiles' own order, then put back in row-major
+    order. A CPU test holds it against MXFP4Tensor.dequant."""
+    import torch
+
+    r, kb = packed.shape
+    k = 2 * kb
+    b = packed.to(torch.int64).reshape(r // ROWS, k // MX_COLS, 2, 8, 4, 4, 4)
+    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)   # uint32 bits in int64
+    m = 0xFFFFFFFF
+    E, S = 0x01C001C0, 0x80008000
+    words = [w & (E | S), (w << 3) & (E | S), ((w << 6) & E) | ((w << 1) & S), ((w >> 3) & E) | ((w << 2) & S)]
+    halves = torch.stack([torch.stack([x & 0xFFFF, (x >> 16) & 0xFFFF], -1) for x in words], -2).flatten(-2)
+    bits = halves.to(torch.int32).to(torch.int16)     # wraps 0x8000.. to negative int16: bf16 bit patterns
+    vals = bits.view(torch.bfloat16)                  # [tile, chunk, half, g, q, block, 8]
+    s = scale.to(torch.int32).reshape(r // ROWS, k // MX_COLS, ROWS, 4)
+    s = s.reshape(r // ROWS, k // MX_COLS, 2, 8, 1, 4)
+    fac = (((s + 126) << 7) & m).to(torch.int16).view(torch.bfloat16)[..., None]
+    y = (vals * fac).float()                          # one bf16 multiply, rounded as mul.rn.bf16x2
+    return y.permute(0, 2, 3, 1, 5, 4, 6).reshape(r, k)
+
+
+def mx_scales_fit(scale) -> bool:
+    """Whether every e8m0 byte of `scale` suits the tensor-core MXFP4 body (MX_MAX_SCALE)."""
+    return bool(scale.numel() == 0 or int(scale.max()) <= MX_MAX_SCALE)
 
 
 def _region_of(mem):
@@ -130,18 +216,72 @@ def expert_weight_regions(low) -> dict[str, int]:
     return ks
 
 
+def expert_mx_regions(low) -> dict[str, int]:
+    """Region -> K of every EXPERT_MXFP4 packed weight region (gate / DOWN at A0, up at A5; the
+    scales, A3 / A6, are region name + ".scale"), for `KernelPlan.expert_mx_mma`, which reads all
+    of them as MXFP4 tiles: each must have K % 128 == 0 and whole 16-row tiles with every matrix
+    base on a tile, and nothing else may read it (TileLayoutError otherwise)."""
+    mem = low.memory
+    region = _region_of(mem)
+
+    ks: dict[str, int] = {}
+    for r, fields in zip(low.rows, low.addr_fields):
+        if r.opcode != Opcode.EXPERT_MXFP4:
+            continue
+        for f in (f for f in ("a0", "a5") if f in fields):
+            lo, hi, name = region(getattr(r, f))
+            tile_bytes = ROWS * r.k // 2
+            if ks.setdefault(name, r.k) != r.k or r.k % MX_COLS or (hi - lo) % tile_bytes \
+                    or (getattr(r, f) - lo) % tile_bytes or name + ".scale" not in mem.regions:
+                raise TileLayoutError(f"MXFP4 expert weight {name} (K {r.k}) is not whole {ROWS}-row x "
+                                      f"{MX_COLS}-column tiles")
+    scales = {n + ".scale" for n in ks}
+    for r, fields in zip(low.rows, low.addr_fields):
+        for f in fields:
+            if (r.opcode == Opcode.EXPERT_MXFP4 and f in ("a0", "a3", "a5", "a6")) or f == "pf_addr":
+                continue
+            hit = region(getattr(r, f))
+            if hit and (hit[2] in ks or hit[2] in scales):
+                raise TileLayoutError(f"{r.opcode.name} row {r.task_id} reads MXFP4 expert weight {hit[2]} ({f})")
+    return ks
+
+
+def set_tiled(low, bound, name: str, k: int, tiled: bool) -> None:
+    """Permute region `name` (read with K `k`) of the bound arena in place into its tiles
+    (`tiled`) or back to row-major: bf16 regions as `tile`, MXFP4 ones (u8, with name + ".scale")
+    as `mx_tile`, a few thousand rows at a time (slice4's experts are GBs). Records it in
+    `bound.tiled` (region -> K)."""
+    import torch
+
+    reg = low.memory.regions[name]
+    view = bound.arena[reg.offset:reg.offset + reg.nbytes]
+    if reg.dtype is DType.bf16:
+        flat = view.view(torch.bfloat16).view(-1, k)
+        flat.copy_(tile(flat) if tiled else untile(flat))
+    else:
+        sreg = low.memory.regions[name + ".scale"]
+        packed = view.view(-1, k // 2)
+        scale = bound.arena[sreg.offset:sreg.offset + sreg.nbytes].view(-1, k // 32)
+        if tiled and not mx_scales_fit(scale):
+            raise TileLayoutError(f"MXFP4 expert weight {name} has e8m0 scale bytes above {MX_MAX_SCALE} "
+                                  "(blocks beyond 12): build with plan option expert_mx_mma=False")
+        step = 4096     # rows, a multiple of 16
+        for i in range(0, packed.shape[0], step):
+            p, sc = (mx_tile if tiled else mx_untile)(packed[i:i + step], scale[i:i + step])
+            packed[i:i + step].copy_(p)
+            scale[i:i + step].copy_(sc)
+    if tiled:
+        bound.tiled[name] = k
+    else:
+        bound.tiled.pop(name, None)
+
+
 def tile_regions(low, bound, regions: dict[str, int]) -> dict[str, int]:
     """Permute the bound arena's `regions` (name -> K) into tiles, in place; records them in
     `bound.tiled` (region -> K) and returns it."""
-    import torch
-
     for name, k in regions.items():
-        if name in bound.tiled:
-            continue
-        reg = low.memory.regions[name]
-        flat = bound.arena[reg.offset:reg.offset + reg.nbytes].view(torch.bfloat16).view(-1, k)
-        flat.copy_(tile(flat))
-        bound.tiled[name] = k
+        if name not in bound.tiled:
+            set_tiled(low, bound, name, k, True)
     return bound.tiled
 
 
@@ -150,9 +290,10 @@ def tile_gemv_weights(low, bound) -> dict[str, int]:
     return tile_regions(low, bound, gemv_weight_regions(low)[0])
 
 
-def tile_options(low, plan_options: dict | None) -> dict:
-    """`plan_options` with gemv_tiles and expert_tiles decided where the caller left them out:
-    on wherever the other options and the weights' layout allow it. The binder (CuteRunner) and
+def tile_options(low, plan_options: dict | None, weights: dict | None = None) -> dict:
+    """`plan_options` with gemv_tiles, expert_tiles and expert_mx_mma decided where the caller
+    left them out: on wherever the other options and the weights' layout allow it (and, for
+    expert_mx_mma with `weights` given, their scales: `mx_scales_fit`). The binder (CuteRunner) and
     `fusec compile --emit cute` both build with this, so the emitted kernel is the one that runs.
 
     Why on: slice4-e128 on the H200, same build otherwise, same logits bit for bit: B = 16 7813
@@ -170,13 +311,17 @@ def tile_options(low, plan_options: dict | None) -> dict:
     if "expert_tiles" not in opts:
         has = any(r.opcode == Opcode.EXPERT_BF16 for r in low.rows)
         opts["expert_tiles"] = bool(simple and has and opts.get("expert_stream", "regs") == "regs"
-                                    and _expert_tiles_fit(low))
+                                    and _fits(expert_weight_regions, low))
+    if "expert_mx_mma" not in opts:
+        has = any(r.opcode == Opcode.EXPERT_MXFP4 for r in low.rows)
+        opts["expert_mx_mma"] = bool(simple and has and _fits(expert_mx_regions, low) and (
+            weights is None or all(mx_scales_fit(weights[n].scale) for n in expert_mx_regions(low) if n in weights)))
     return opts
 
 
-def _expert_tiles_fit(low) -> bool:
+def _fits(regions, low) -> bool:
     try:
-        expert_weight_regions(low)
+        regions(low)
     except TileLayoutError:
         return False
     return True
@@ -184,9 +329,11 @@ def _expert_tiles_fit(low) -> bool:
 
 def tile_weights(low, bound, plan_options: dict | None) -> None:
     """What a binder does after `bind_weights` for the plan options it will build with
-    (`tile_options`): gemv_tiles and expert_tiles repack their regions."""
+    (`tile_options`): gemv_tiles, expert_tiles and expert_mx_mma repack their regions."""
     opts = plan_options or {}
     if opts.get("gemv_tiles"):
         tile_gemv_weights(low, bound)
     if opts.get("expert_tiles"):
         tile_regions(low, bound, expert_weight_regions(low))
+    if opts.get("expert_mx_mma"):
+        tile_regions(low, bound, expert_mx_regions(low))

@@ -24,15 +24,16 @@ def ref(name, args, **attrs):
 
 @pytest.mark.parametrize("batch,stream,cols,tiles", [(1, "regs", 8, False), (4, "regs", 8, False),
                                                      (16, "regs", 8, False), (16, "regs", 16, False),
-                                                     (4, "regs", 8, True), (16, "regs", 8, True),
+                                                     (1, "regs", 8, True), (4, "regs", 8, True), (16, "regs", 8, True),
                                                      (1, "ring", 8, False), (4, "ring", 8, False),
                                                      (16, "ring", 8, False)])
 def test_k3_bodies_match_registry(batch, stream, cols, tiles):
     """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
     width (KernelPlan.expert_cols); `tiles`: its weights in 16-row tiles (expert_tiles; the
-    references use the row-major weights). 64 pairs over 8 experts at B = 16: experts chosen by
-    more pairs than a group holds take several groups."""
-    from fusec.backends.cute.weight_tiles import tile
+    references use the row-major weights) and EXPERT_MXFP4 on tensor cores over MXFP4 tiles
+    (expert_mx_mma; its scale bytes capped at 128, the body's domain). 64 pairs over 8 experts
+    at B = 16: experts chosen by more pairs than a group holds take several groups."""
+    from fusec.backends.cute.weight_tiles import mx_tile, tile
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
@@ -50,10 +51,16 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles):
     w1, w3, w2 = ((r(*s) * 0.05).to(BF) for s in ((e, inter, d), (e, inter, d), (e, d, inter)))
     q = [MXFP4Tensor(*(t.view(e, n, -1) for t in wl.random_mxfp4(e * n, kk, "cuda", gen)))
          for n, kk in ((inter, d), (inter, d), (d, inter))]
+    if tiles:
+        for t in q:
+            t.scale.clamp_(max=128)
+    qt = [MXFP4Tensor(*(a.view(t.packed.shape if i == 0 else t.scale.shape) for i, a in enumerate(
+        mx_tile(t.packed.reshape(-1, t.packed.shape[-1]), t.scale.reshape(-1, t.scale.shape[-1])))))
+          for t in q] if tiles else q
     hin = r(batch, k, inter).to(BF)
     outs = []
     wt = [tile(w.reshape(-1, w.shape[-1])).view(w.shape) if tiles else w for w in (w1, w3, w2)]
-    for i, ((a1, a3, a2), (t1, t3, t2)) in enumerate(zip(((w1, w3, w2), q), (wt, q))):
+    for i, ((a1, a3, a2), (t1, t3, t2)) in enumerate(zip(((w1, w3, w2), q), (wt, qt))):
         h = torch.full((batch, k, inter), float("nan"), device="cuda", dtype=BF)
         y = torch.full((batch, k, d), float("nan"), device="cuda")
         tasks += wl.expert_glu_tasks(x, ids, t1, t3, h, 3, 100 + 100 * i)
@@ -89,7 +96,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles):
               wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 404, c=gl[1:], head_dim=3583, eps=1e-6)]
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
-                      expert_tiles=tiles, name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}")
+                      expert_tiles=tiles, expert_mx_mma=tiles, name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
