@@ -107,6 +107,11 @@ class Lowered:
         # weights; docs/results/plan_variants_h200_slice4-e128_b16_tiled_stop19.log). Batch 4
         # keeps 4 (not measured on tiles).
         kw.setdefault("unroll", 8 if self.batch == 1 or self.batch > 8 else 4)
+        # MLA partial at batch 1: two m16 head tiles per block (32 heads, two blocks over K3's
+        # 64) measured 3110 against 3156 us with four, logits bit for bit the same; at B = 16
+        # within noise (+0.1%), B = 4 not measured
+        # (docs/results/plan_variants_h200_slice4-e128_mla_stop20.log).
+        kw.setdefault("mla_head_tiles", 2 if self.batch == 1 else 4)
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)
