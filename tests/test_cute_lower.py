@@ -468,6 +468,28 @@ def test_expert_mx_tiles_need_scales_up_to_128():
         tile_weights(low, bound, {"expert_mx_mma": True})
 
 
+def test_arena_weights_read_mx_tiles_back():
+    """runner.arena_weights (the reference over the kernel's own arena) gives every tiled MXFP4
+    expert weight back, one expert at a time, equal to the weight that was bound."""
+    from fusec.backends.cute.lower import bind_weights
+    from fusec.backends.cute.runner import arena_weights
+    from fusec.backends.cute.weight_tiles import MXFP4Tiles, expert_mx_regions, tile_weights
+
+    g = kimi_k3.build_graph("tiny")
+    prog, low = lower_for_cute(g, 4, L)
+    ws = materialize_weights(prog.graph, random_weights(g, 0, kimi_k3.WEIGHT_INIT), 0, "bf16")
+    bound = low.memory.bind("cpu")
+    bind_weights(low, bound, ws)
+    tile_weights(low, bound, {"expert_mx_mma": True})
+    back = arena_weights(prog.graph, bound)
+    names = sorted(expert_mx_regions(low))
+    assert names and all(isinstance(back[n], MXFP4Tiles) for n in names)
+    for n in names:
+        assert not torch.equal(back[n].packed, ws[n].packed)          # the arena holds tiles
+        for e in (0, ws[n].packed.shape[0] - 1):
+            assert torch.equal(back[n][e].packed, ws[n].packed[e]) and torch.equal(back[n][e].scale, ws[n].scale[e])
+
+
 def test_tile_options_default_on_at_batch_over_one():
     """weight_tiles.tile_options (what CuteRunner and --emit cute build with): both tile options
     on at batch > 1 where the layout allows, GEMV tiles off at batch 1 (CUDA-core GEMV reads

@@ -50,3 +50,24 @@ def test_mx_tile_lane_words():
     word_at = 512 + 16 * (4 * 1 + 3) + 4 * 2
     w = int.from_bytes(bytes(tp.flatten()[word_at:word_at + 4].tolist()), "little")
     assert w == 0x7 << MX_EM[5] and int(tp.flatten().count_nonzero()) == 1
+
+
+def test_mx_tiles_read_back_one_expert_at_a_time():
+    """runner.arena_weights hands the reference the arena's tiled MXFP4 experts as MXFP4Tiles:
+    an expert's index untiles its rows only (a whole copy of slice4's experts did not fit beside
+    the arena on the H200), and equals the weight before tiling; so does the whole dequant.
+    More than 2048 rows also takes the by-rows path of mx_tile / mx_untile."""
+    from fusec.backends.cute.weight_tiles import MXFP4Tiles
+
+    g = torch.Generator().manual_seed(7)
+    e, n, k = 3, 1376, 128                 # 4128 rows
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(110, 129, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    tp, ts = mx_tile(packed.reshape(-1, k // 2), scale.reshape(-1, k // 32))
+    tiles = MXFP4Tiles(tp.reshape(packed.shape), ts.reshape(scale.shape))
+    for i in range(e):
+        one = tiles[i]
+        assert type(one) is MXFP4Tensor
+        assert torch.equal(one.packed, packed[i]) and torch.equal(one.scale, scale[i])
+    assert torch.equal(tiles.dequant(), MXFP4Tensor(packed, scale).dequant())
+    assert type(tiles.to("cpu")) is MXFP4Tiles

@@ -29,15 +29,14 @@ def arena_weights(graph: Graph, bound) -> dict:
     """The weights exactly as the kernel reads them (MXFP4 rebuilt from its packed/scale regions)."""
     from fusec.ir.quant import MXFP4Tensor
 
-    from .weight_tiles import mx_untile, untile
+    from .weight_tiles import MXFP4Tiles, untile
 
     out = {}
     for v in graph.weights():
         if v.type.dtype is DType.mxfp4 and v.name in bound.tiled:    # MXFP4 tiles (expert_mx_mma)
-            p, s = bound.tensor(v.name), bound.tensor(v.name + ".scale")
-            k = bound.tiled[v.name]
-            out[v.name] = MXFP4Tensor(*(t.reshape(sh) for t, sh in zip(
-                mx_untile(p.reshape(-1, k // 2), s.reshape(-1, k // 32)), (p.shape, s.shape))))
+            # read back an expert at a time: a whole row-major copy of slice4's experts (44 GB)
+            # did not fit beside the arena on the H200
+            out[v.name] = MXFP4Tiles(bound.tensor(v.name), bound.tensor(v.name + ".scale"))
         elif v.type.dtype is DType.mxfp4:
             out[v.name] = MXFP4Tensor(bound.tensor(v.name), bound.tensor(v.name + ".scale"))
         elif v.name in bound.tiled:     # repacked for plan.gemv_tiles: a row-major copy

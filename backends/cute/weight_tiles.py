@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 
+from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.types import DType
 
 from .plan import Opcode
@@ -66,11 +67,33 @@ def _mx_words(n):
     return (((n & 7) << em) | ((n >> 3) << sg)).sum(-1, dtype=torch.int32)   # disjoint bits: sum is or
 
 
+def _by_rows(fn, packed, scale, rows: int = 2048):
+    """fn over `rows` rows at a time (a multiple of 16): its int32 temporaries are ~40x the
+    bytes, and one slice4 expert weight is 4.9 GB."""
+    import torch
+
+    if packed.shape[0] <= rows:
+        return fn(packed, scale)
+    out_p, out_s = torch.empty_like(packed), torch.empty_like(scale)
+    for i in range(0, packed.shape[0], rows):
+        out_p[i:i + rows], out_s[i:i + rows] = fn(packed[i:i + rows], scale[i:i + rows])
+    return out_p, out_s
+
+
 def mx_tile(packed, scale):
     """MXFP4 packed [R, K/2] u8 (low nibble = even column) and scales [R, K/32] u8, R % 16 == 0,
     K % 128 == 0 -> the same values in MXFP4 tiles (module docstring), as (packed, scale) of the
     same shapes. Word b of lane (g, q) in tile t, chunk c holds columns 128 c + 32 b + 8 q + i of
     row 16 t + g (first 512 bytes) or + 8 (last 512)."""
+    return _by_rows(_mx_tile, packed, scale)
+
+
+def mx_untile(packed, scale):
+    """Inverse of `mx_tile`."""
+    return _by_rows(_mx_untile, packed, scale)
+
+
+def _mx_tile(packed, scale):
     import torch
 
     r, kb = packed.shape
@@ -83,8 +106,7 @@ def mx_tile(packed, scale):
     return out, sc
 
 
-def mx_untile(packed, scale):
-    """Inverse of `mx_tile`."""
+def _mx_untile(packed, scale):
     import torch
 
     r, kb = packed.shape
@@ -122,6 +144,30 @@ def mx_decode(packed, scale):
     fac = (((s + 126) << 7) & m).to(torch.int16).view(torch.bfloat16)[..., None]
     y = (vals * fac).float()                          # one bf16 multiply, rounded as mul.rn.bf16x2
     return y.permute(0, 2, 3, 1, 5, 4, 6).reshape(r, k)
+
+
+class MXFP4Tiles(MXFP4Tensor):
+    """An MXFP4 weight [..., N, K] whose packed / scale storage is in MXFP4 tiles (over its rows
+    flattened), as the binder left the arena: what `runner.arena_weights` hands the reference
+    executor. Indexing an expert untiles that expert's rows only (with N % 16 == 0 they are
+    whole tiles), so the arena's experts are never copied whole; `dequant` of the whole weight
+    untiles it whole."""
+
+    def to(self, device) -> "MXFP4Tiles":
+        return MXFP4Tiles(self.packed.to(device), self.scale.to(device))
+
+    def untiled(self) -> MXFP4Tensor:
+        p, s = self.packed, self.scale
+        up, us = mx_untile(p.reshape(-1, p.shape[-1]), s.reshape(-1, s.shape[-1]))
+        return MXFP4Tensor(up.reshape(p.shape), us.reshape(s.shape))
+
+    def __getitem__(self, idx) -> MXFP4Tensor:
+        if isinstance(idx, int) and self.packed.dim() == 3 and self.packed.shape[1] % ROWS == 0:
+            return MXFP4Tiles(self.packed[idx], self.scale[idx]).untiled()
+        return self.untiled()[idx]
+
+    def dequant(self, dtype=None):
+        return self.untiled().dequant(dtype)
 
 
 def mx_scales_fit(scale) -> bool:
