@@ -184,6 +184,8 @@ def test_expert_mx_mma_needs_whole_128_column_chunks():
         _expert_mx_plan((3584, 3072 + 32))
     with pytest.raises(ValueError, match="one rank"):
         dataclasses.replace(_expert_mx_plan((256,)), ranks=2)
+    with pytest.raises(ValueError, match="needs expert_mx_mma"):
+        dataclasses.replace(_expert_mx_plan((256,)), expert_mx_mma=False, expert_mx_l2_ahead=2)
 
 
 def test_expert_ring_stage_bytes():
@@ -282,7 +284,9 @@ def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
     for name, plan in (("experts", _expert_plan((3584, 3072), batch=batch, stream="regs")), ("gemv", gemv_plan),
                        ("gemv_tiles", dataclasses.replace(gemv_plan, gemv_tiles=True)),
                        ("expert_tiles", _expert_plan((3584, 3072), batch=batch, stream="regs", tiles=True)),
-                       ("expert_mx", _expert_mx_plan((3584, 3072), batch=batch))):
+                       ("expert_mx", _expert_mx_plan((3584, 3072), batch=batch)),
+                       ("expert_mx_l2", dataclasses.replace(_expert_mx_plan((3584, 3072), batch=batch),
+                                                            expert_mx_l2_ahead=2))):
         _, _, dump = compile_plan(plan, tmp_path / name, keep_ptx=True)
         res = ptxas_resources(next(dump.glob("*.ptx")))
         assert res.registers <= 128 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0, (name, str(res))

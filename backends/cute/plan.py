@@ -459,6 +459,12 @@ class KernelPlan:
     # the CUDA-core body, a warp per output row and (batch row, slot) pair. tile_options turns
     # it on wherever the weights tile.
     expert_mx_mma: bool = False
+    # EXPERT_MXFP4 tensor-core body: each unit prefetches into L2 (prefetch.global.L2, one per
+    # 128-byte line, from its load addresses) the chunk this many 128-column chunks ahead of its
+    # loads, weights and scales, so more bytes are in flight than the registers hold (one GLU
+    # chunk of 64 bytes per lane: two spill). 0: off. Not measured yet (the slice4 B = 16
+    # profile has the body at ~2.4 TB/s on the critical path).
+    expert_mx_l2_ahead: int = 0
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -503,6 +509,8 @@ class KernelPlan:
         if self.expert_tiles and (self.expert_stream != "regs" or self.l2_ahead or self.ranks > 1):
             raise ValueError("expert_tiles needs the register expert body (expert_stream 'regs'), l2_ahead 0 "
                              "and one rank")
+        if not 0 <= self.expert_mx_l2_ahead <= 16 or (self.expert_mx_l2_ahead and not self.expert_mx_mma):
+            raise ValueError(f"expert_mx_l2_ahead {self.expert_mx_l2_ahead} must be 0..16, and needs expert_mx_mma")
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")

@@ -22,16 +22,16 @@ def ref(name, args, **attrs):
     return get_op(name).ref(list(args), attrs)
 
 
-@pytest.mark.parametrize("batch,stream,cols,tiles", [(1, "regs", 8, False), (4, "regs", 8, False),
-                                                     (16, "regs", 8, False), (16, "regs", 16, False),
-                                                     (1, "regs", 8, True), (4, "regs", 8, True), (16, "regs", 8, True),
-                                                     (1, "ring", 8, False), (4, "ring", 8, False),
-                                                     (16, "ring", 8, False)])
-def test_k3_bodies_match_registry(batch, stream, cols, tiles):
+@pytest.mark.parametrize("batch,stream,cols,tiles,mx_l2", [
+    (1, "regs", 8, False, 0), (4, "regs", 8, False, 0), (16, "regs", 8, False, 0), (16, "regs", 16, False, 0),
+    (1, "regs", 8, True, 0), (4, "regs", 8, True, 0), (16, "regs", 8, True, 0), (16, "regs", 8, True, 2),
+    (1, "ring", 8, False, 0), (4, "ring", 8, False, 0), (16, "ring", 8, False, 0)])
+def test_k3_bodies_match_registry(batch, stream, cols, tiles, mx_l2):
     """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
     width (KernelPlan.expert_cols); `tiles`: its weights in 16-row tiles (expert_tiles; the
     references use the row-major weights) and EXPERT_MXFP4 on tensor cores over MXFP4 tiles
-    (expert_mx_mma; its scale bytes capped at 128, the body's domain). 64 pairs over 8 experts
+    (expert_mx_mma; its scale bytes capped at 128, the body's domain; `mx_l2`: its L2 prefetch,
+    expert_mx_l2_ahead, which must not change a bit). 64 pairs over 8 experts
     at B = 16: experts chosen by more pairs than a group holds take several groups."""
     from fusec.backends.cute.weight_tiles import mx_tile, tile
 
@@ -96,7 +96,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles):
               wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 404, c=gl[1:], head_dim=3583, eps=1e-6)]
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
-                      expert_tiles=tiles, expert_mx_mma=tiles, name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}")
+                      expert_tiles=tiles, expert_mx_mma=tiles, expert_mx_l2_ahead=mx_l2,
+                      name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}_l2{mx_l2}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
