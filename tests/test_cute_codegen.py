@@ -186,6 +186,26 @@ def test_expert_mx_mma_needs_whole_128_column_chunks():
         dataclasses.replace(_expert_mx_plan((256,)), ranks=2)
     with pytest.raises(ValueError, match="needs expert_mx_mma"):
         dataclasses.replace(_expert_mx_plan((256,)), expert_mx_mma=False, expert_mx_l2_ahead=2)
+    with pytest.raises(ValueError, match="needs expert_mx_mma"):
+        dataclasses.replace(_expert_mx_plan((256,)), expert_mx_mma=False, expert_mx_half_units=True)
+
+
+def test_expert_mx_half_units_compile_audit_and_barely_spill(cutlass_available, tmp_path):
+    """expert_mx_half_units (with the L2 prefetch): the second copy of the chunk loop for units
+    whose rows g + 8 are all dead compiles for sm_90a, passes the PTX audit, and spills no more
+    than the 4 bytes ptxas reported when it was built (one value across the unit loop, not in
+    the chunk loop)."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
+
+    plan = dataclasses.replace(_expert_mx_plan((3584, 3072)), expert_mx_half_units=True, expert_mx_l2_ahead=2)
+    _, _, dump = compile_plan(plan, tmp_path / "mx_half", keep_ptx=True)
+    assert audit_dir(dump, expect_signals=False).ok
+    if find_ptxas() is None:
+        pytest.skip("no ptxas (CUDA toolkit) on this machine")
+    res = ptxas_resources(next(dump.glob("*.ptx")))
+    assert res.registers <= 128 and res.spill_store_bytes <= 4, str(res)
 
 
 def test_expert_ring_stage_bytes():

@@ -465,6 +465,11 @@ class KernelPlan:
     # chunk of 64 bytes per lane: two spill). 0: off. Not measured yet (the slice4 B = 16
     # profile has the body at ~2.4 TB/s on the critical path).
     expert_mx_l2_ahead: int = 0
+    # EXPERT_MXFP4 tensor-core body: a unit whose rows g + 8 all lie past N1 (the last unit of
+    # a task of 16 k + 1..8 rows: K3's 23-row gate/up tasks) loads and decodes rows g only and
+    # multiplies zero fragments for the rest, instead of repeating row N1 - 1 (a quarter of the
+    # decode of a 23-row task). Off: not measured yet; ptxas spills 4 B with it (none without).
+    expert_mx_half_units: bool = False
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -511,6 +516,8 @@ class KernelPlan:
                              "and one rank")
         if not 0 <= self.expert_mx_l2_ahead <= 16 or (self.expert_mx_l2_ahead and not self.expert_mx_mma):
             raise ValueError(f"expert_mx_l2_ahead {self.expert_mx_l2_ahead} must be 0..16, and needs expert_mx_mma")
+        if self.expert_mx_half_units and not self.expert_mx_mma:
+            raise ValueError("expert_mx_half_units needs expert_mx_mma")
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")
