@@ -243,23 +243,35 @@ def expert_weight_regions(low) -> dict[str, int]:
     region = _region_of(mem)
 
     ks: dict[str, int] = {}
+    for r, f, lo, hi, name in _expert_matrices(low, Opcode.EXPERT_BF16, region):
+        if ks.setdefault(name, r.k) != r.k or mem.regions[name].dtype is not DType.bf16 or r.k % COLS \
+                or r.aux % ROWS or (hi - lo) % (ROWS * r.k * 2) or (getattr(r, f) - lo) % (ROWS * r.k * 2):
+            raise TileLayoutError(f"expert weight {name} (K {r.k}, {r.aux} rows per expert) is not whole "
+                                  f"{ROWS}-row tiles per expert")
+    _read_only_by(low, region, set(ks), Opcode.EXPERT_BF16, ("a0", "a5"), "expert weight")
+    return ks
+
+
+def _expert_matrices(low, opcode, region):
+    """(row, field, region start, end, name) of each gate / DOWN (A0) and up (A5) weight matrix
+    an `opcode` row reads (DOWN rows have no up matrix)."""
     for r, fields in zip(low.rows, low.addr_fields):
-        if r.opcode != Opcode.EXPERT_BF16:
-            continue
-        for f in (f for f in ("a0", "a5") if f in fields):     # DOWN rows have no up matrix
-            lo, hi, name = region(getattr(r, f))
-            if ks.setdefault(name, r.k) != r.k or mem.regions[name].dtype is not DType.bf16 or r.k % COLS \
-                    or r.aux % ROWS or (hi - lo) % (ROWS * r.k * 2) or (getattr(r, f) - lo) % (ROWS * r.k * 2):
-                raise TileLayoutError(f"expert weight {name} (K {r.k}, {r.aux} rows per expert) is not whole "
-                                      f"{ROWS}-row tiles per expert")
+        if r.opcode == opcode:
+            for f in ("a0", "a5"):
+                if f in fields:
+                    yield (r, f, *region(getattr(r, f)))
+
+
+def _read_only_by(low, region, names: set, opcode, own: tuple, what: str) -> None:
+    """TileLayoutError if a row other than `opcode`'s fields `own` (a PF_ADDR hint aside) reads
+    one of the regions `names`: tiles are read right by their own body only."""
     for r, fields in zip(low.rows, low.addr_fields):
         for f in fields:
-            if (r.opcode == Opcode.EXPERT_BF16 and f in ("a0", "a5")) or f == "pf_addr":
+            if (r.opcode == opcode and f in own) or f == "pf_addr":
                 continue
             hit = region(getattr(r, f))
-            if hit and hit[2] in ks:
-                raise TileLayoutError(f"{r.opcode.name} row {r.task_id} reads expert weight {hit[2]} ({f})")
-    return ks
+            if hit and hit[2] in names:
+                raise TileLayoutError(f"{r.opcode.name} row {r.task_id} reads {what} {hit[2]} ({f})")
 
 
 def expert_mx_regions(low) -> dict[str, int]:
@@ -271,24 +283,14 @@ def expert_mx_regions(low) -> dict[str, int]:
     region = _region_of(mem)
 
     ks: dict[str, int] = {}
-    for r, fields in zip(low.rows, low.addr_fields):
-        if r.opcode != Opcode.EXPERT_MXFP4:
-            continue
-        for f in (f for f in ("a0", "a5") if f in fields):
-            lo, hi, name = region(getattr(r, f))
-            tile_bytes = ROWS * r.k // 2
-            if ks.setdefault(name, r.k) != r.k or r.k % MX_COLS or (hi - lo) % tile_bytes \
-                    or (getattr(r, f) - lo) % tile_bytes or name + ".scale" not in mem.regions:
-                raise TileLayoutError(f"MXFP4 expert weight {name} (K {r.k}) is not whole {ROWS}-row x "
-                                      f"{MX_COLS}-column tiles")
-    scales = {n + ".scale" for n in ks}
-    for r, fields in zip(low.rows, low.addr_fields):
-        for f in fields:
-            if (r.opcode == Opcode.EXPERT_MXFP4 and f in ("a0", "a3", "a5", "a6")) or f == "pf_addr":
-                continue
-            hit = region(getattr(r, f))
-            if hit and (hit[2] in ks or hit[2] in scales):
-                raise TileLayoutError(f"{r.opcode.name} row {r.task_id} reads MXFP4 expert weight {hit[2]} ({f})")
+    for r, f, lo, hi, name in _expert_matrices(low, Opcode.EXPERT_MXFP4, region):
+        tile_bytes = ROWS * r.k // 2
+        if ks.setdefault(name, r.k) != r.k or r.k % MX_COLS or (hi - lo) % tile_bytes \
+                or (getattr(r, f) - lo) % tile_bytes or name + ".scale" not in mem.regions:
+            raise TileLayoutError(f"MXFP4 expert weight {name} (K {r.k}) is not whole {ROWS}-row x "
+                                  f"{MX_COLS}-column tiles")
+    _read_only_by(low, region, set(ks) | {n + ".scale" for n in ks}, Opcode.EXPERT_MXFP4,
+                  ("a0", "a3", "a5", "a6"), "MXFP4 expert weight")
     return ks
 
 
