@@ -40,6 +40,16 @@ MX_SIGN = (15, 31, 12, 28, 14, 30, 13, 29)
 # The body's block factor 2^(s - 1) is a bf16, so every scale byte must be <= 128 (block values
 # up to 12 x 2^0; `mx_scales_fit`).
 MX_MAX_SCALE = 128
+# The body's decode of one word, as PTX (inline asm of _mx_decode in bodies/expert.py.j2; $4 the
+# word, $5 the bf16x2 block factor, $0..$3 the pairs (0, 1) .. (6, 7)). Kept here, next to the
+# layout it inverts, so a CPU test runs these very instructions (tests/test_weight_tiles.py).
+MX_DECODE_PTX = (
+    "{ .reg .b32 a, b, c, d, t, u;\n"
+    "and.b32 a, $4, 0x81C081C0;\n"
+    "shl.b32 t, $4, 3; and.b32 b, t, 0x81C081C0;\n"
+    "shl.b32 t, $4, 6; and.b32 t, t, 0x01C001C0; shl.b32 u, $4, 1; and.b32 u, u, 0x80008000; or.b32 c, t, u;\n"
+    "shr.u32 t, $4, 3; and.b32 t, t, 0x01C001C0; shl.b32 u, $4, 2; and.b32 u, u, 0x80008000; or.b32 d, t, u;\n"
+    "mul.rn.bf16x2 $0, a, $5; mul.rn.bf16x2 $1, b, $5; mul.rn.bf16x2 $2, c, $5; mul.rn.bf16x2 $3, d, $5; }")
 
 
 class TileLayoutError(ValueError):
@@ -168,6 +178,11 @@ class MXFP4Tiles(MXFP4Tensor):
 
     def dequant(self, dtype=None):
         return self.untiled().dequant(dtype)
+
+
+# The body's bf16x2 block factor from a scale byte s: s * MX_FACTOR[0] + MX_FACTOR[1] =
+# (s + 126) << 7 in both halves, the bf16 2^(s - 1).
+MX_FACTOR = (0x00800080, 0x3F003F00)
 
 
 def mx_scales_fit(scale) -> bool:
