@@ -38,7 +38,7 @@ for stage in "$@"; do
                 grep -E "passed|failed|error|Error" "$OUT/pytest_gemv.log" | tail -20 ;;
     mla) timeout 300 python3 benchmarks/mla_partial.py --batches ${MLA_BATCHES:-1,4,16} --variants "${MLA_VARIANTS:-}" 2>&1 \
            | grep -v Warn > "$OUT/mla_partial.log"; tail -16 "$OUT/mla_partial.log" ;;
-    bodies) timeout 300 python3 -m pytest -q -rP -m gpu tests/gpu/test_cute_bodies.py -p no:warnings > "$OUT/pytest_bodies.log" 2>&1
+    bodies) timeout 300 python3 -m pytest -q -rP -m gpu tests/gpu/test_cute_bodies.py -k "${BODIES_K:-}" -p no:warnings > "$OUT/pytest_bodies.log" 2>&1
             grep -E "passed|failed|error|Error" "$OUT/pytest_bodies.log" | tail -20 ;;
     model) timeout 540 python3 benchmarks/cute_model.py --cases ${MODEL_CASES:-kimi_k3:tiny} --batches ${MODEL_BATCHES:-1,4,16} \
              --delay-cases ${MODEL_DELAY:-none} 2>&1 | grep -v Warning > "$OUT/model.log"; tail -14 "$OUT/model.log" ;;
@@ -49,6 +49,8 @@ for stage in "$@"; do
              python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/ranks.py \
              --config ${RANKS_CONFIG:-slice4-e128} --batches ${RANKS_BATCHES:-1,4,16} --rounds ${RANKS_ROUNDS:-5} \
              --json "$OUT/ranks.json" ${RANKS_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/ranks.log" | tail -30 ;;
+    overhead) timeout 400 python3 benchmarks/step_overhead.py --config ${OVERHEAD_CONFIG:-tiny} --batches ${OVERHEAD_BATCHES:-1,16} \
+                2>&1 | grep -v Warn | tee "$OUT/step_overhead.log" | tail -40 ;;
     variants) # KernelPlan variants against the default build, one batch per run (plan_variants.py):
               # PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 bash benchmarks/h200_session.sh variants
               pb=${PLAN_BATCHES:-16,4,1}
@@ -56,6 +58,6 @@ for stage in "$@"; do
                 timeout 280 python3 benchmarks/plan_variants.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
                   --variants "${PLAN_VARIANTS:-expert_stream=ring}" --rounds ${PLAN_ROUNDS:-3} 2>&1 | grep -v Warn
               done | tee "$OUT/plan_variants.log" | grep -E "^\||built" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, overhead)"; exit 2 ;;
   esac
 done

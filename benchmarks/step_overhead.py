@@ -1,0 +1,77 @@
+"""Where `step()`'s time over the kernel's own graph replay goes (issue 10's `step()` bar).
+
+    python benchmarks/step_overhead.py --config tiny --batches 1,16 [--reps 50]
+
+For each batch: the kernel's CUDA-graph replay (what speed.py calls "graph"), the public
+`step()` alone (sync after each, as speed.py times it) and in a loop, the host time of one
+`step()` call up to its return, and the CUDA kernels and copies of one `step()` from
+torch.profiler (device microseconds, largest first). On a small config the kernel is short, so
+what `step()` adds around it is most of what is printed; it is the same host code and about the
+same tail of small kernels at any size (the logits scale with the vocabulary).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import median_us  # noqa: E402
+
+
+def main() -> None:
+    import torch
+
+    import fusec
+    import fusec.models as m
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--pos", type=int, default=100)
+    args = ap.parse_args()
+    path = os.path.join(os.path.dirname(m.__file__), "kimi_k3.py")
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        fstep = fusec.compile(path, args.config, backend="cute", device="cuda", batch=batch, max_len=args.pos + 1)
+        tok = torch.zeros(batch, dtype=torch.int32, device="cuda")
+        pos = torch.full((batch,), args.pos, dtype=torch.int32, device="cuda")
+        for _ in range(3):
+            fstep.step(tok, pos)
+        torch.cuda.synchronize()
+        graph = fstep.runner.kernel.capture_graph()
+        loop = 20
+        t = {"graph": median_us(graph.replay, args.reps),
+             "step_alone": median_us(lambda: fstep.step(tok, pos), args.reps),
+             "step_loop": median_us(lambda: [fstep.step(tok, pos) for _ in range(loop)], args.reps) / loop}
+        host = []
+        for _ in range(args.reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fstep.step(tok, pos)
+            host.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        t["step_host"] = sorted(host)[len(host) // 2]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fstep.step(tok, pos)
+            torch.cuda.synchronize()
+        fstep.check()
+        ev = [(e.key, e.device_time_total / 5, e.count // 5) for e in prof.key_averages()
+              if e.device_time_total > 0]
+        ev.sort(key=lambda x: -x[1])
+        print(f"\n{args.config} B={batch}: " + ", ".join(f"{k} {v:.1f} us" for k, v in t.items()), flush=True)
+        print("| device op in one step() | us | calls |\n|---|---|---|")
+        for k, us, n in ev[:25]:
+            print(f"| {k[:90]} | {us:.1f} | {n} |")
+        rows.append((batch, t))
+    print("\n| B | graph us | step() alone | step() in a loop | step() host us | alone - graph |\n|---|---|---|---|---|---|")
+    for batch, t in rows:
+        print(f"| {batch} | {t['graph']:.1f} | {t['step_alone']:.1f} | {t['step_loop']:.1f} | {t['step_host']:.1f} | "
+              f"{t['step_alone'] - t['graph']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
