@@ -184,28 +184,6 @@ def test_expert_mx_mma_needs_whole_128_column_chunks():
         _expert_mx_plan((3584, 3072 + 32))
     with pytest.raises(ValueError, match="one rank"):
         dataclasses.replace(_expert_mx_plan((256,)), ranks=2)
-    with pytest.raises(ValueError, match="needs expert_mx_mma"):
-        dataclasses.replace(_expert_mx_plan((256,)), expert_mx_mma=False, expert_mx_l2_ahead=2)
-    with pytest.raises(ValueError, match="needs expert_mx_mma"):
-        dataclasses.replace(_expert_mx_plan((256,)), expert_mx_mma=False, expert_mx_half_units=True)
-
-
-def test_expert_mx_half_units_compile_audit_and_barely_spill(cutlass_available, tmp_path):
-    """expert_mx_half_units (with the L2 prefetch): the second copy of the chunk loop for units
-    whose rows g + 8 are all dead compiles for sm_90a, passes the PTX audit, and spills no more
-    than the 4 bytes ptxas reported when it was built (one value across the unit loop, not in
-    the chunk loop)."""
-    from fusec.backends.cute.codegen import compile_plan
-    from fusec.backends.cute.ptx_audit import audit_dir
-    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
-
-    plan = dataclasses.replace(_expert_mx_plan((3584, 3072)), expert_mx_half_units=True, expert_mx_l2_ahead=2)
-    _, _, dump = compile_plan(plan, tmp_path / "mx_half", keep_ptx=True)
-    assert audit_dir(dump, expect_signals=False).ok
-    if find_ptxas() is None:
-        pytest.skip("no ptxas (CUDA toolkit) on this machine")
-    res = ptxas_resources(next(dump.glob("*.ptx")))
-    assert res.registers <= 128 and res.spill_store_bytes <= 4, str(res)
 
 
 def test_expert_ring_stage_bytes():
@@ -304,9 +282,7 @@ def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
     for name, plan in (("experts", _expert_plan((3584, 3072), batch=batch, stream="regs")), ("gemv", gemv_plan),
                        ("gemv_tiles", dataclasses.replace(gemv_plan, gemv_tiles=True)),
                        ("expert_tiles", _expert_plan((3584, 3072), batch=batch, stream="regs", tiles=True)),
-                       ("expert_mx", _expert_mx_plan((3584, 3072), batch=batch)),
-                       ("expert_mx_l2", dataclasses.replace(_expert_mx_plan((3584, 3072), batch=batch),
-                                                            expert_mx_l2_ahead=2))):
+                       ("expert_mx", _expert_mx_plan((3584, 3072), batch=batch))):
         _, _, dump = compile_plan(plan, tmp_path / name, keep_ptx=True)
         res = ptxas_resources(next(dump.glob("*.ptx")))
         assert res.registers <= 128 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0, (name, str(res))

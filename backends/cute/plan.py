@@ -459,25 +459,6 @@ class KernelPlan:
     # the CUDA-core body, a warp per output row and (batch row, slot) pair. tile_options turns
     # it on wherever the weights tile.
     expert_mx_mma: bool = False
-    # EXPERT_MXFP4 tensor-core body: each unit prefetches into L2 (prefetch.global.L2, one per
-    # 128-byte line, from its load addresses) the chunk this many 128-column chunks ahead of its
-    # loads, weights and scales, so more bytes are in flight than the registers hold (one GLU
-    # chunk of 64 bytes per lane: two spill). 0: off. Not measured yet (the slice4 B = 16
-    # profile has the body at ~2.4 TB/s on the critical path).
-    expert_mx_l2_ahead: int = 0
-    # EXPERT_MXFP4 tensor-core body: a unit whose rows g + 8 all lie past N1 (the last unit of
-    # a task of 16 k + 1..8 rows: K3's 23-row gate/up tasks) loads and decodes rows g only and
-    # multiplies zero fragments for the rest, instead of repeating row N1 - 1 (a quarter of the
-    # decode of a 23-row task). Off: not measured yet; ptxas spills 4 B with it (none without).
-    expert_mx_half_units: bool = False
-    # EXPERT_MXFP4 tensor-core body: each warp streams its units' 128-column chunks through a
-    # shared-memory ring of this many chunks by cp.async (stages - 1 in flight while one is
-    # decoded; 2.5 KB per stage and warp), instead of 16-byte register loads (one GLU chunk in
-    # flight: two spill at 128 registers). 0: the register loads.
-    expert_mx_stages: int = 0
-    # EXPERT_MXFP4 register body: a chunk's activation fragments are loaded with its weights at
-    # the top of the chunk (16 more registers at one n8 tile), not at each 32-column block's use.
-    expert_mx_x_early: bool = False
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -522,14 +503,6 @@ class KernelPlan:
         if self.expert_tiles and (self.expert_stream != "regs" or self.l2_ahead or self.ranks > 1):
             raise ValueError("expert_tiles needs the register expert body (expert_stream 'regs'), l2_ahead 0 "
                              "and one rank")
-        if not 0 <= self.expert_mx_l2_ahead <= 16 or (self.expert_mx_l2_ahead and not self.expert_mx_mma):
-            raise ValueError(f"expert_mx_l2_ahead {self.expert_mx_l2_ahead} must be 0..16, and needs expert_mx_mma")
-        if self.expert_mx_half_units and not self.expert_mx_mma:
-            raise ValueError("expert_mx_half_units needs expert_mx_mma")
-        if self.expert_mx_stages and (not 2 <= self.expert_mx_stages <= 5 or not self.expert_mx_mma
-                                      or self.expert_mx_l2_ahead or self.expert_mx_half_units):
-            raise ValueError(f"expert_mx_stages {self.expert_mx_stages} must be 0 or 2..5, needs expert_mx_mma "
-                             "and neither expert_mx_l2_ahead nor expert_mx_half_units")
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")

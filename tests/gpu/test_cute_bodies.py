@@ -22,22 +22,19 @@ def ref(name, args, **attrs):
     return get_op(name).ref(list(args), attrs)
 
 
-@pytest.mark.parametrize("batch,stream,cols,tiles,mx_more", [
+@pytest.mark.parametrize("batch,stream,cols,tiles,cut", [
     (1, "regs", 8, False, False), (4, "regs", 8, False, False), (16, "regs", 8, False, False),
     (16, "regs", 16, False, False), (1, "regs", 8, True, False), (4, "regs", 8, True, False),
-    (16, "regs", 8, True, False), (1, "regs", 8, True, "options"), (16, "regs", 8, True, "options"),
-    (1, "regs", 8, True, "stages"), (4, "regs", 8, True, "stages"), (16, "regs", 8, True, "stages"),
+    (16, "regs", 8, True, False), (1, "regs", 8, True, True), (16, "regs", 8, True, True),
     (1, "ring", 8, False, False), (4, "ring", 8, False, False), (16, "ring", 8, False, False)])
-def test_k3_bodies_match_registry(batch, stream, cols, tiles, mx_more):
+def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
     width (KernelPlan.expert_cols); `tiles`: its weights in 16-row tiles (expert_tiles; the
     references use the row-major weights) and EXPERT_MXFP4 on tensor cores over MXFP4 tiles
-    (expert_mx_mma; its scale bytes capped at 128, the body's domain). `mx_more`: that body's
-    options expert_mx_l2_ahead and expert_mx_half_units ("options") or its shared-memory ring
-    (expert_mx_stages = 3, "stages"), the expert rows cut into tasks whose
-    last 16-row unit has at most 8 live rows (6 GLU tasks of 21-22 rows, 5 DOWN tasks of 51-52).
-    64 pairs over 8 experts
-    at B = 16: experts chosen by more pairs than a group holds take several groups."""
+    (expert_mx_mma; its scale bytes capped at 128, the body's domain). `cut`: the expert rows
+    cut into tasks whose last 16-row unit has at most 8 live rows (6 GLU tasks of 21-22 rows,
+    5 DOWN tasks of 51-52). 64 pairs over 8 experts at B = 16: experts chosen by more pairs
+    than a group holds take several groups."""
     from fusec.backends.cute.weight_tiles import mx_tile, tile
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -68,8 +65,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, mx_more):
     for i, ((a1, a3, a2), (t1, t3, t2)) in enumerate(zip(((w1, w3, w2), q), (wt, qt))):
         h = torch.full((batch, k, inter), float("nan"), device="cuda", dtype=BF)
         y = torch.full((batch, k, d), float("nan"), device="cuda")
-        tasks += wl.expert_glu_tasks(x, ids, t1, t3, h, 6 if mx_more else 3, 100 + 100 * i)
-        tasks += wl.expert_down_tasks(hin, ids, t2, y, 5 if mx_more else 2, 150 + 100 * i)
+        tasks += wl.expert_glu_tasks(x, ids, t1, t3, h, 6 if cut else 3, 100 + 100 * i)
+        tasks += wl.expert_down_tasks(hin, ids, t2, y, 5 if cut else 2, 150 + 100 * i)
         outs.append((h, y, a1, a3, a2))
     # moe_combine (EW WSUM) on its own input: the 16-byte path (fp32 slots, aligned) and an
     # unaligned view of the same slots (the scalar path).
@@ -101,10 +98,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, mx_more):
               wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 404, c=gl[1:], head_dim=3583, eps=1e-6)]
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
-                      expert_tiles=tiles, expert_mx_mma=tiles, expert_mx_l2_ahead=2 if mx_more == "options" else 0,
-                      expert_mx_half_units=mx_more == "options", expert_mx_stages=3 if mx_more == "stages" else 0,
-                      expert_mx_x_early=bool(mx_more),
-                      name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_' + mx_more if mx_more else ''}")
+                      expert_tiles=tiles, expert_mx_mma=tiles,
+                      name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
