@@ -27,7 +27,7 @@ for stage in "$@"; do
     model-small) timeout 400 python3 benchmarks/cute_model.py --cases kimi_k3:tiny,llama:tiny,llama:llama-3.2-1b \
                    --batches 1,4,16 --delay-cases llama:tiny,kimi_k3:tiny 2>&1 | grep -v Warning > "$OUT/model_small.log"
                  tail -16 "$OUT/model_small.log" ;;
-    tests) timeout 540 python3 -m pytest -q -rP -m gpu tests/gpu -p no:warnings > "$OUT/pytest_gpu.log" 2>&1
+    tests) timeout 540 python3 -m pytest -q -rP -m gpu ${GPU_TESTS:-tests/gpu} -p no:warnings > "$OUT/pytest_gpu.log" 2>&1
            grep -E "^step|passed|failed|error" "$OUT/pytest_gpu.log" | tail -60 ;;
     gemv) timeout 400 python3 benchmarks/gemv_megakernel.py 2>&1 | grep -v Warn > "$OUT/gemv.log"; tail -40 "$OUT/gemv.log" ;;
     compile) for b in 4 16; do echo "B=$b"; timeout 300 python3 benchmarks/reference_compile.py --batch $b 2>&1 \

@@ -11,6 +11,7 @@ plugs in.
 from __future__ import annotations
 
 import collections
+import ctypes
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -102,6 +103,8 @@ class CompiledStep:
         self._pending: collections.deque = collections.deque()
         if deferred:
             self._flag_host = torch.ones((2, 2), dtype=torch.bool).pin_memory()
+            # the same pinned bytes, read per step without a torch op (a few us each on the host)
+            self._flag_view = (ctypes.c_bool * 4).from_address(self._flag_host.data_ptr())
             self._flag_ready = [torch.cuda.Event(), torch.cuda.Event()]
         # The one-graph step (see the class docstring); a runner without a capturable step (the
         # reference one) keeps the path of separate launches.
@@ -120,7 +123,10 @@ class CompiledStep:
         positions = torch.as_tensor(positions)
         if tokens.is_floating_point() or positions.is_floating_point() or torch.bool in (tokens.dtype, positions.dtype):
             raise ValueError("tokens and positions must be integer tensors")
-        tokens, positions = tokens.reshape(-1), positions.reshape(-1)
+        if tokens.dim() != 1:
+            tokens = tokens.reshape(-1)
+        if positions.dim() != 1:
+            positions = positions.reshape(-1)
         if tokens.shape != (self.batch,) or positions.shape != (self.batch,):
             raise ValueError(f"expected tokens and positions of shape [{self.batch}], got "
                              f"{list(tokens.shape)} and {list(positions.shape)}")
@@ -178,8 +184,11 @@ class CompiledStep:
         host where that needs no sync."""
         if self._replay is None:
             self._replay = self._capture()
-        self._inp[0].copy_(tokens, non_blocking=True)       # casts; H2D for CPU-resident inputs
-        self._inp[1].copy_(positions, non_blocking=True)
+        if tokens.device == positions.device == self._inp.device:
+            torch.stack((tokens, positions), out=self._inp)     # one copy (one launch), casting
+        else:
+            self._inp[0].copy_(tokens, non_blocking=True)       # H2D for CPU-resident inputs
+            self._inp[1].copy_(positions, non_blocking=True)
         logits, nxt, flags = self._replay()
         self.runner.launched()
         k, self.steps_run = self.steps_run, self.steps_run + 1
@@ -211,7 +220,9 @@ class CompiledStep:
 
         def finish(logits, in_range):
             logits = logits.float()
-            ok = torch.isfinite(logits).all() if self.check_finite else torch.ones_like(in_range)
+            # x * 0 is 0 for every finite x and NaN for Inf / NaN, so the sum is 0 exactly when
+            # all are finite: three kernels in the graph where isfinite().all() took five
+            ok = (logits * 0).sum() == 0 if self.check_finite else torch.ones_like(in_range)
             return logits, torch.stack([ok, in_range])
 
         def body():
@@ -245,7 +256,7 @@ class CompiledStep:
         while len(self._pending) > keep:
             k, logits, slot = self._pending.popleft()
             self._flag_ready[slot].synchronize()
-            finite, in_range = self._flag_host[slot].tolist()
+            finite, in_range = self._flag_view[2 * slot], self._flag_view[2 * slot + 1]
             if not in_range:
                 self._pending.clear()
                 raise ValueError(f"step {k}: a position outside [0, {self.max_len}) or a token id outside the "
