@@ -9,6 +9,8 @@
 #   RANKS_BATCHES=1 bash benchmarks/h200_session.sh ranks               # 2 GPUs: benchmarks/ranks.py (torchrun)
 #   MODEL_CASES=kimi_k3:tiny MODEL_BATCHES=1,16 bash benchmarks/h200_session.sh bodies model
 #   PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 bash benchmarks/h200_session.sh variants
+#   GPU_TESTS=tests/gpu/test_step_graph.py BODIES_K=tiles bash benchmarks/h200_session.sh tests bodies
+#   OVERHEAD_CONFIG=slice4-e128 OVERHEAD_BATCHES=1 bash benchmarks/h200_session.sh overhead   # step_overhead.py
 set -u
 [ -f .gpu-bundle/part2/install.sh ] && { bash .gpu-bundle/part2/install.sh || exit 3; }
 export PYTHONPATH=/tmp/fusec-pkg:/tmp/fusec-site:/tmp/fusec-site/nvidia_cutlass_dsl/dsl_packages
