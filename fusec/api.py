@@ -25,6 +25,13 @@ from fusec.loader import load_graph
 from fusec.weights import check_finite_weights, random_weights
 
 
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: no element of float tensor x is Inf or NaN. x * 0 is 0 for every
+    finite x and NaN for Inf and NaN, so the sum is 0 exactly when all are finite (no overflow
+    whatever the values): three kernels in the step's graph where isfinite().all() took five."""
+    return (x * 0).sum() == 0
+
+
 class NonFiniteLogits(FloatingPointError):
     """A step produced NaN or Inf logits (the greedy token of such a row would be meaningless)."""
 
@@ -220,9 +227,7 @@ class CompiledStep:
 
         def finish(logits, in_range):
             logits = logits.float()
-            # x * 0 is 0 for every finite x and NaN for Inf / NaN, so the sum is 0 exactly when
-            # all are finite: three kernels in the graph where isfinite().all() took five
-            ok = (logits * 0).sum() == 0 if self.check_finite else torch.ones_like(in_range)
+            ok = all_finite(logits) if self.check_finite else torch.ones_like(in_range)
             return logits, torch.stack([ok, in_range])
 
         def body():

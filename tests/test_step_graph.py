@@ -183,3 +183,19 @@ def test_errors_in_order_and_nonfinite(weights, fake_cuda, monkeypatch):
         graphed.check()
     off, _, _ = _steps(w, check_finite=False)
     off.generate(torch.tensor([3, 3]), L)                          # check_finite=False: no flag raised
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_finite_flags_inf_and_nan_only(dtype):
+    """The graph's finite check (fusec.api.all_finite) against torch.isfinite: each of +Inf,
+    -Inf and NaN anywhere in a row is caught, and the largest finite values (whose plain sum
+    would overflow to Inf) are not."""
+    big = torch.finfo(dtype).max
+    x = torch.full((3, 1000), big, dtype=dtype)
+    x[1] = -big
+    assert bool(api.all_finite(x)) and bool(torch.isfinite(x).all())
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for where in ((0, 0), (2, 999), (1, 517)):
+            y = x.clone()
+            y[where] = bad
+            assert not bool(api.all_finite(y)), (bad, where)
