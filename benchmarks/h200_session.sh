@@ -53,6 +53,8 @@ for stage in "$@"; do
              --json "$OUT/ranks.json" ${RANKS_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/ranks.log" | tail -30 ;;
     overhead) timeout 400 python3 benchmarks/step_overhead.py --config ${OVERHEAD_CONFIG:-tiny} --batches ${OVERHEAD_BATCHES:-1,16} \
                 2>&1 | grep -v Warn | tee "$OUT/step_overhead.log" | tail -40 ;;
+    mxbody) timeout 500 python3 benchmarks/mx_expert_body.py --batches ${MXBODY_BATCHES:-16,1} 2>&1 | grep -v Warn \
+              | tee "$OUT/mx_expert_body.log" | tail -20 ;;
     variants) # KernelPlan variants against the default build, one batch per run (plan_variants.py):
               # PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 bash benchmarks/h200_session.sh variants
               pb=${PLAN_BATCHES:-16,4,1}
@@ -60,6 +62,6 @@ for stage in "$@"; do
                 timeout 280 python3 benchmarks/plan_variants.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
                   --variants "${PLAN_VARIANTS:-expert_stream=ring}" --rounds ${PLAN_ROUNDS:-3} 2>&1 | grep -v Warn
               done | tee "$OUT/plan_variants.log" | grep -E "^\||built" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, overhead)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, overhead, mxbody)"; exit 2 ;;
   esac
 done

@@ -186,6 +186,34 @@ def test_expert_mx_mma_needs_whole_128_column_chunks():
         dataclasses.replace(_expert_mx_plan((256,)), ranks=2)
 
 
+def test_expert_mx_probes_drop_only_their_part(cutlass_available, tmp_path):
+    """KernelPlan.expert_mx_probe (diagnostic builds of benchmarks/mx_expert_body.py, wrong
+    results): each compiles for sm_90a and passes the PTX audit, drops exactly its part (no
+    decode multiplies without the decode, no MMA without the MMAs) and keeps every weight and
+    scale load of the default build (a probe whose loads were optimized away would time
+    nothing). Refused without expert_mx_mma or with an unknown name."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+
+    with pytest.raises(ValueError, match="expert_mx_probe"):
+        dataclasses.replace(_expert_mx_plan((256,)), expert_mx_probe="no_loads")
+    with pytest.raises(ValueError, match="needs expert_mx_mma"):
+        dataclasses.replace(_expert_mx_plan((256,)), expert_mx_mma=False, expert_mx_probe="no_mma")
+    counts = {}
+    for probe in ("", "no_decode", "no_mma", "loads_only"):
+        plan = dataclasses.replace(_expert_mx_plan((3584, 3072)), expert_mx_probe=probe)
+        _, _, dump = compile_plan(plan, tmp_path / (probe or "default"), keep_ptx=True)
+        assert audit_dir(dump, expect_signals=False).ok, probe
+        ptx = next(dump.glob("*.ptx")).read_text()
+        counts[probe] = {op: ptx.count(op) for op in ("ld.global.v4", "ld.global.b32", "mma.sync", "mul.rn.bf16x2")}
+    base = counts[""]
+    assert base["mma.sync"] and base["mul.rn.bf16x2"]
+    for probe, c in counts.items():
+        assert c["ld.global.v4"] >= base["ld.global.v4"] and c["ld.global.b32"] >= base["ld.global.b32"], (probe, c)
+        assert (c["mul.rn.bf16x2"] == 0) == (probe in ("no_decode", "loads_only")), (probe, c)
+        assert (c["mma.sync"] == 0) == (probe in ("no_mma", "loads_only")), (probe, c)
+
+
 def test_expert_ring_stage_bytes():
     """The ring body's row bytes per stage divide every EXPERT_BF16 row's K in bytes; its stages
     keep all warps' rings within 128 KB (K3: latent 3584 and expert inter 3072 columns)."""

@@ -462,6 +462,10 @@ class KernelPlan:
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
+    # Diagnostic, WRONG results (benchmarks/mx_expert_body.py only): the EXPERT_MXFP4 tensor-core
+    # body without part of its work, to see what bounds it. "no_decode": the raw words go to the
+    # MMAs; "no_mma": decoded words are summed instead of multiplied; "loads_only": neither.
+    expert_mx_probe: str = ""
     # Delay injection: before its body, task t sleeps delay_ns * (1 + (t * 7919) % 8) / 8, so
     # producers write late and in a reshuffled order; a missing wait then reads stale data.
     delay_ns: int = 0
@@ -503,6 +507,10 @@ class KernelPlan:
         if self.expert_tiles and (self.expert_stream != "regs" or self.l2_ahead or self.ranks > 1):
             raise ValueError("expert_tiles needs the register expert body (expert_stream 'regs'), l2_ahead 0 "
                              "and one rank")
+        if self.expert_mx_probe not in ("", "no_decode", "no_mma", "loads_only") or (
+                self.expert_mx_probe and not self.expert_mx_mma):
+            raise ValueError(f"expert_mx_probe {self.expert_mx_probe!r} must be '', 'no_decode', 'no_mma' or "
+                             "'loads_only', and needs expert_mx_mma")
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")
