@@ -53,8 +53,8 @@ for stage in "$@"; do
              --json "$OUT/ranks.json" ${RANKS_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/ranks.log" | tail -30 ;;
     overhead) timeout 400 python3 benchmarks/step_overhead.py --config ${OVERHEAD_CONFIG:-tiny} --batches ${OVERHEAD_BATCHES:-1,16} \
                 2>&1 | grep -v Warn | tee "$OUT/step_overhead.log" | tail -40 ;;
-    mxbody) timeout 500 python3 benchmarks/mx_expert_body.py --batches ${MXBODY_BATCHES:-16,1} 2>&1 | grep -v Warn \
-              | tee "$OUT/mx_expert_body.log" | tail -20 ;;
+    mxbody) timeout 500 python3 benchmarks/mx_expert_body.py --batches ${MXBODY_BATCHES:-16,1} ${MXBODY_ARGS:-} 2>&1 | grep -v Warn \
+              | tee "$OUT/mx_expert_body.log" | tail -30 ;;
     variants) # KernelPlan variants against the default build, one batch per run (plan_variants.py):
               # PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 bash benchmarks/h200_session.sh variants
               pb=${PLAN_BATCHES:-16,4,1}
