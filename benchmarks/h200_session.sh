@@ -55,6 +55,15 @@ for stage in "$@"; do
                 2>&1 | grep -v Warn | tee "$OUT/step_overhead.log" | tail -40 ;;
     mxbody) timeout 500 python3 benchmarks/mx_expert_body.py --batches ${MXBODY_BATCHES:-16,1} ${MXBODY_ARGS:-} 2>&1 | grep -v Warn \
               | tee "$OUT/mx_expert_body.log" | tail -30 ;;
+    ncu) # Nsight Compute on mx_expert_body.py's kernels (Firecracker machines only; clocks left alone):
+         # NCU_KERNELS="mx_glu_b16_0 mx_glu_b16_1" NCU_ARGS="--variants expert_mx_ahead=True" bash ... ncu
+         for kn in ${NCU_KERNELS:-mx_glu_b16_0}; do
+           timeout 280 ncu --clock-control none --kernel-name regex:"$kn" --launch-count 1 \
+             --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SpeedOfLight \
+             python3 benchmarks/mx_expert_body.py --batches ${NCU_BATCH:-16} --probes "" --no-bf16 --rounds 1 --reps 1 \
+             ${NCU_ARGS:-} > "$OUT/ncu_$kn.log" 2>&1
+           grep -v -i warn "$OUT/ncu_$kn.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|L1|L2|==ERR|rror" | head -60
+         done ;;
     variants) # KernelPlan variants against the default build, one batch per run (plan_variants.py):
               # PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 bash benchmarks/h200_session.sh variants
               pb=${PLAN_BATCHES:-16,4,1}
@@ -62,6 +71,6 @@ for stage in "$@"; do
                 timeout 280 python3 benchmarks/plan_variants.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
                   --variants "${PLAN_VARIANTS:-expert_stream=ring}" --rounds ${PLAN_ROUNDS:-3} 2>&1 | grep -v Warn
               done | tee "$OUT/plan_variants.log" | grep -E "^\||built" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, overhead, mxbody)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, overhead, mxbody, ncu)"; exit 2 ;;
   esac
 done
