@@ -56,7 +56,7 @@ for stage in "$@"; do
     mxbody) timeout 500 python3 benchmarks/mx_expert_body.py --batches ${MXBODY_BATCHES:-16,1} ${MXBODY_ARGS:-} 2>&1 | grep -v Warn \
               | tee "$OUT/mx_expert_body.log" | tail -30 ;;
     ncu) # Nsight Compute on mx_expert_body.py's kernels (Firecracker machines only; clocks left alone):
-         # NCU_KERNELS="mx_glu_b16_0 mx_glu_b16_1" NCU_ARGS="--variants expert_mx_ahead=True" bash ... ncu
+         # NCU_KERNELS="mx_glu_b16_0 mx_glu_b16_1" NCU_ARGS="--variants expert_mx_probe=no_decode" bash ... ncu
          for kn in ${NCU_KERNELS:-mx_glu_b16_0}; do
            timeout 280 ncu --clock-control none --kernel-name regex:"$kn" --launch-count 1 \
              --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SpeedOfLight \

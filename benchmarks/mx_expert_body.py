@@ -3,7 +3,7 @@ default build against the diagnostic probes of `KernelPlan.expert_mx_probe` (whi
 WRONG results: timing only; the body's correctness is tests/gpu/test_cute_bodies.py's).
 
     python benchmarks/mx_expert_body.py [--batches 16,1] [--experts 256] [--tasks N]
-        [--probes no_decode,no_mma,loads_only] [--variants "expert_mx_ahead=True ..."] [--no-bf16]
+        [--probes no_decode,no_mma,loads_only] [--variants "field=value[,...] ..."] [--no-bf16]
 
 Per batch and phase (GLU: gate + up, K 3584, 3072 rows per expert; DOWN: K 3072, 3584 rows), a
 megakernel of that phase's row tasks over every (batch row, slot) pair, as the K3 kernel cuts

@@ -214,23 +214,6 @@ def test_expert_mx_probes_drop_only_their_part(cutlass_available, tmp_path):
         assert (c["mma.sync"] == 0) == (probe in ("no_mma", "loads_only")), (probe, c)
 
 
-def test_expert_mx_ahead_compiles(cutlass_available, tmp_path):
-    """KernelPlan.expert_mx_ahead (the MXFP4 tensor-core body's loads a chunk ahead): compiles for
-    sm_90a and passes the PTX audit (its results: tests/gpu/test_cute_bodies.py). Refused
-    without expert_mx_mma. (Where ptxas places the loads is not visible in PTX: LLVM already
-    interleaves the plain loop's iterations there.)"""
-    from fusec.backends.cute.codegen import compile_plan
-    from fusec.backends.cute.ptx_audit import audit_dir
-
-    with pytest.raises(ValueError, match="expert_mx_ahead needs expert_mx_mma"):
-        dataclasses.replace(_expert_mx_plan((256,)), expert_mx_mma=False, expert_mx_ahead=True)
-    plan = dataclasses.replace(_expert_mx_plan((3584, 3072)), expert_mx_ahead=True)
-    _, _, dump = compile_plan(plan, tmp_path, keep_ptx=True)
-    assert audit_dir(dump, expect_signals=False).ok
-    ptx = next(dump.glob("*.ptx")).read_text()
-    assert ptx.count("mma.sync") and ptx.count("mul.rn.bf16x2")
-
-
 def test_expert_ring_stage_bytes():
     """The ring body's row bytes per stage divide every EXPERT_BF16 row's K in bytes; its stages
     keep all warps' rings within 128 KB (K3: latent 3584 and expert inter 3072 columns)."""

@@ -459,11 +459,6 @@ class KernelPlan:
     # the CUDA-core body, a warp per output row and (batch row, slot) pair. tile_options turns
     # it on wherever the weights tile.
     expert_mx_mma: bool = False
-    # The expert_mx_mma body's chunk loop software-pipelined: chunk c + 1's weight and scale
-    # loads are issued before chunk c's decode and MMAs (two register buffers), so a warp has
-    # loads in flight while it computes (the plain loop issues MX_GLU / DOWN_UNROLL chunks, then
-    # computes them with none in flight).
-    expert_mx_ahead: bool = False
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -516,8 +511,6 @@ class KernelPlan:
                 self.expert_mx_probe and not self.expert_mx_mma):
             raise ValueError(f"expert_mx_probe {self.expert_mx_probe!r} must be '', 'no_decode', 'no_mma' or "
                              "'loads_only', and needs expert_mx_mma")
-        if self.expert_mx_ahead and not self.expert_mx_mma:
-            raise ValueError("expert_mx_ahead needs expert_mx_mma")
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")

@@ -26,11 +26,9 @@ def ref(name, args, **attrs):
     (1, "regs", 8, False, False), (4, "regs", 8, False, False), (16, "regs", 8, False, False),
     (16, "regs", 16, False, False), (1, "regs", 8, True, False), (4, "regs", 8, True, False),
     (16, "regs", 8, True, False), (1, "regs", 8, True, True), (16, "regs", 8, True, True),
-    (1, "ring", 8, False, False), (4, "ring", 8, False, False), (16, "ring", 8, False, False),
-    (1, "ahead", 8, True, False), (16, "ahead", 8, True, True)])
+    (1, "ring", 8, False, False), (4, "ring", 8, False, False), (16, "ring", 8, False, False)])
 def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
-    """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream; "ahead": "regs" with
-    the MXFP4 body's loads a chunk ahead, KernelPlan.expert_mx_ahead); `cols`: its group
+    """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
     width (KernelPlan.expert_cols); `tiles`: its weights in 16-row tiles (expert_tiles; the
     references use the row-major weights) and EXPERT_MXFP4 on tensor cores over MXFP4 tiles
     (expert_mx_mma; its scale bytes capped at 128, the body's domain). `cut`: the expert rows
@@ -99,8 +97,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     tasks += [wl.ew_task(EwOp.RMS, xl, rms_o, 403, c=gl, head_dim=3584, eps=1e-6),
               wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 404, c=gl[1:], head_dim=3583, eps=1e-6)]
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
-                      batch=batch, threads=256, expert_stream="regs" if stream == "ahead" else stream,
-                      expert_cols=cols, expert_tiles=tiles, expert_mx_mma=tiles, expert_mx_ahead=stream == "ahead",
+                      batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
+                      expert_tiles=tiles, expert_mx_mma=tiles,
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}")
     rt = Megakernel(plan)
     rt.step()
