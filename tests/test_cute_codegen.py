@@ -352,3 +352,30 @@ def test_gemv_tiles_needs_the_tensor_core_body():
     with pytest.raises(ValueError, match="expert_tiles"):       # the ring copies row-major runs
         _expert_plan((3584,), stream="ring", tiles=True)
 
+
+
+def test_expert_mx_ring_streams_weights_by_cp_async(cutlass_available, tmp_path):
+    """KernelPlan.expert_mx_ring: the MXFP4 body's weight and scale loads become cp.async into
+    the warp's shared-memory ring (16-byte .cg for the words, 4-byte .ca for the scale words),
+    read back from shared memory, with the same decode and MMAs; it compiles for sm_90a within
+    the shared memory an SM has, passes the PTX audit (cp.async from global memory counts as a
+    data load there), and is refused out of 2..6 stages or without expert_mx_mma."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+
+    for bad in (dict(expert_mx_ring=1), dict(expert_mx_ring=7), dict(expert_mx_ring=3, expert_mx_mma=False)):
+        with pytest.raises(ValueError, match="expert_mx_ring"):
+            dataclasses.replace(_expert_mx_plan((256,)), **bad)
+    ptx = {}
+    for stages in (0, 4):
+        plan = dataclasses.replace(_expert_mx_plan((3584, 3072)), expert_mx_ring=stages)
+        _, _, dump = compile_plan(plan, tmp_path / f"s{stages}", keep_ptx=True)
+        assert audit_dir(dump, expect_signals=False).ok, stages
+        ptx[stages] = next(dump.glob("*.ptx")).read_text()
+    base, ring = ptx[0], ptx[4]
+    assert "cp.async.cg" not in base and base.count("ld.global.v4") >= 4
+    assert ring.count("cp.async.cg.shared.global") >= 4 and ring.count("cp.async.ca.shared.global") >= 4
+    assert "cp.async.wait_group" in ring and "ld.shared.v4" in ring
+    # One chunk's work per matrix kind, no unrolled copies: GLU 2 matrices x 4 blocks x 2 MMAs
+    # (one n8 tile: 8 columns a group), DOWN half that; 4 multiplies per decoded word.
+    assert ring.count("mma.sync") == base.count("mma.sync") + 16 and ring.count("mul.rn.bf16x2") == base.count("mul.rn.bf16x2") + 64
