@@ -379,3 +379,23 @@ def test_expert_mx_ring_streams_weights_by_cp_async(cutlass_available, tmp_path)
     # One chunk's work per matrix kind, no unrolled copies: GLU 2 matrices x 4 blocks x 2 MMAs
     # (one n8 tile: 8 columns a group), DOWN half that; 4 multiplies per decoded word.
     assert ring.count("mma.sync") == base.count("mma.sync") + 16 and ring.count("mul.rn.bf16x2") == base.count("mul.rn.bf16x2") + 64
+
+
+def test_expert_half_units_add_the_half_loops(cutlass_available, tmp_path):
+    """KernelPlan.expert_half_units: the bf16 and MXFP4 register expert bodies get a second
+    chunk loop for units of at most 8 live rows (row g's two K halves as the MMA's two row
+    blocks: twice the MMAs per chunk, no extra weight loads), compile for sm_90a and pass the
+    PTX audit. (That they compute the registry's values is tests/gpu/test_cute_bodies.py.)"""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+
+    for name, plan in (("bf16", _expert_plan((3584, 3072), stream="regs", tiles=True)),
+                       ("mx", _expert_mx_plan((3584, 3072)))):
+        counts = {}
+        for half in (False, True):
+            p = dataclasses.replace(plan, expert_half_units=half)
+            _, _, dump = compile_plan(p, tmp_path / f"{name}{half}", keep_ptx=True)
+            assert audit_dir(dump, expect_signals=False).ok, (name, half)
+            ptx = next(dump.glob("*.ptx")).read_text()
+            counts[half] = ptx.count("mma.sync")
+        assert counts[True] > counts[False] > 0, (name, counts)

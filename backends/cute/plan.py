@@ -464,6 +464,11 @@ class KernelPlan:
     # loads in flight while it computes (the plain loop issues MX_GLU / DOWN_UNROLL chunks, then
     # computes them with none in flight).
     expert_mx_ahead: bool = False
+    # EXPERT_BF16 / EXPERT_MXFP4 register bodies: a unit with at most 8 live rows (GLU's
+    # 23-24-row tasks end with one) streams its rows' two K halves as the MMA's two 8-row
+    # blocks, so it takes half the chunks, and a group's tiles are rotated over the warps so
+    # each warp gets its share of short units. Off until measured (plan_variants.py).
+    expert_half_units: bool = False
     # The expert_mx_mma body's chunks streamed through a per-warp shared-memory ring of this many
     # stages by cp.async (0: register loads). Off until measured (benchmarks/plan_variants.py).
     expert_mx_ring: int = 0
