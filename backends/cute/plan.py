@@ -459,19 +459,14 @@ class KernelPlan:
     # the CUDA-core body, a warp per output row and (batch row, slot) pair. tile_options turns
     # it on wherever the weights tile.
     expert_mx_mma: bool = False
-    # The expert_mx_mma body's chunk loop software-pipelined: chunk c + 1's weight and scale
-    # loads are issued before chunk c's decode and MMAs (two register buffers), so a warp has
-    # loads in flight while it computes (the plain loop issues MX_GLU / DOWN_UNROLL chunks, then
-    # computes them with none in flight).
-    expert_mx_ahead: bool = False
-    # EXPERT_BF16 / EXPERT_MXFP4 register bodies: a unit with at most 8 live rows (GLU's
-    # 23-24-row tasks end with one) streams its rows' two K halves as the MMA's two 8-row
-    # blocks, so it takes half the chunks, and a group's tiles are rotated over the warps so
-    # each warp gets its share of short units. Off until measured (plan_variants.py).
-    expert_half_units: bool = False
-    # The expert_mx_mma body's chunks streamed through a per-warp shared-memory ring of this many
-    # stages by cp.async (0: register loads). Off until measured (benchmarks/plan_variants.py).
-    expert_mx_ring: int = 0
+    # EXPERT_MXFP4 tensor-core body: a unit with at most 8 live rows (GLU's 23-24-row tasks end
+    # with one) streams its rows' two K halves as the MMA's two 8-row blocks, so it decodes only
+    # live rows and takes half the chunks, and a group's tiles are rotated over the warps so each
+    # warp gets its share of short units. slice4 on the H200, side by side: B = 16 -2.4%, B = 1
+    # -0.3% (plan_variants_h200_slice4_*_stop23.log). The same in the bf16 body measured +0.7% /
+    # +0.1% on slice4-e128 (memory-bound there: the dead rows' loads repeat a live row's
+    # addresses), so that body keeps whole units (the code is in commit 14492b8).
+    expert_half_units: bool = True
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -494,10 +489,6 @@ class KernelPlan:
     # whole kernel's stage takes ~15.5 us against ~8.3 in the body's own benchmark). Same MMAs
     # in the same order: same bits. Off until timed (benchmarks/plan_variants.py).
     mla_p_at_use: bool = False
-    # ROUTER: the old body, which held every expert's sigmoid score in registers to read the
-    # winner's (True), against recomputing it from the winner's logit (False). Temporary: the
-    # side-by-side run of benchmarks/plan_variants.py decides, then one path goes.
-    router_keep_scores: bool = False
     mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
     ranks: int = 1      # R > 1: this is one rank's table of a multi-rank step (module docstring)
@@ -528,12 +519,6 @@ class KernelPlan:
                 self.expert_mx_probe and not self.expert_mx_mma):
             raise ValueError(f"expert_mx_probe {self.expert_mx_probe!r} must be '', 'no_decode', 'no_mma' or "
                              "'loads_only', and needs expert_mx_mma")
-        if self.expert_mx_ring and (not self.expert_mx_mma or not 2 <= self.expert_mx_ring <= 6
-                                    or self.expert_mx_ahead or self.expert_mx_probe):
-            raise ValueError("expert_mx_ring must be 0 or 2..6 stages, with expert_mx_mma and neither "
-                             "expert_mx_ahead nor a probe")
-        if self.expert_mx_ahead and not self.expert_mx_mma:
-            raise ValueError("expert_mx_ahead needs expert_mx_mma")
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")

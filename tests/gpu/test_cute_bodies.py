@@ -26,9 +26,7 @@ def ref(name, args, **attrs):
     (1, "regs", 8, False, False), (4, "regs", 8, False, False), (16, "regs", 8, False, False),
     (16, "regs", 16, False, False), (1, "regs", 8, True, False), (4, "regs", 8, True, False),
     (16, "regs", 8, True, False), (1, "regs", 8, True, True), (16, "regs", 8, True, True),
-    (1, "regs", 8, True, "ring"), (4, "regs", 8, True, "ring"), (16, "regs", 8, True, "ring"),
-    (1, "regs", 8, True, "half"), (4, "regs", 8, False, "half"), (16, "regs", 8, True, "half"),
-    (16, "regs", 16, True, "half"),
+    (16, "regs", 16, True, True), (16, "regs", 8, True, "whole"),
     (1, "ring", 8, False, False), (4, "ring", 8, False, False), (16, "ring", 8, False, False)])
 def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
@@ -36,10 +34,9 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     references use the row-major weights) and EXPERT_MXFP4 on tensor cores over MXFP4 tiles
     (expert_mx_mma; its scale bytes capped at 128, the body's domain). `cut`: the expert rows
     cut into tasks whose last 16-row unit has at most 8 live rows (6 GLU tasks of 21-22 rows,
-    5 DOWN tasks of 51-52); "ring": that cut, with the MXFP4 body's chunks streamed through its
-    shared-memory ring (expert_mx_ring = 3); "half": that cut with expert_half_units (the short
-    last units as two K halves, bf16 and MXFP4 register bodies). 64 pairs over 8 experts at B = 16: experts chosen by more pairs
-    than a group holds take several groups."""
+    5 DOWN tasks of 51-52), where the MXFP4 tensor-core body runs the short last units as two K
+    halves (expert_half_units, on by default), or "whole": that cut without it. 64 pairs over 8
+    experts at B = 16: experts chosen by more pairs than a group holds take several groups."""
     from fusec.backends.cute.weight_tiles import mx_tile, tile
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -103,8 +100,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
               wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 404, c=gl[1:], head_dim=3583, eps=1e-6)]
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
-                      expert_tiles=tiles, expert_mx_mma=tiles, expert_mx_ring=3 if cut == "ring" else 0,
-                      expert_half_units=cut == "half",
+                      expert_tiles=tiles, expert_mx_mma=tiles, expert_half_units=cut != "whole",
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}"
                            f"{'_' + cut if isinstance(cut, str) else ''}")
     rt = Megakernel(plan)
