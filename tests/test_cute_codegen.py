@@ -382,29 +382,3 @@ def test_expert_half_units_add_the_mx_half_loops(cutlass_available, tmp_path):
         else:
             assert ptx[True].count("mma.sync") > ptx[False].count("mma.sync") > 0
             assert ptx[True].count("ld.global.v4") > ptx[False].count("ld.global.v4")
-
-
-def test_expert_mx_l2_ahead_prefetches_weights_only(cutlass_available, tmp_path):
-    """KernelPlan.expert_mx_l2_ahead (off by default): the MXFP4 tensor-core body issues
-    cp.async.bulk.prefetch.L2 for its units' weight and scale chunks ahead of the loads and
-    nothing else changes: the same MMAs and 16-byte weight loads, and it compiles for sm_90a
-    and passes the PTX audit. Refused without expert_mx_mma or beyond 16 chunks."""
-    from fusec.backends.cute.codegen import compile_plan
-    from fusec.backends.cute.ptx_audit import audit_dir
-
-    plan = _expert_mx_plan((3584, 3072))
-    assert plan.expert_mx_l2_ahead == 0
-    with pytest.raises(ValueError, match="expert_mx_l2_ahead"):
-        dataclasses.replace(plan, expert_mx_l2_ahead=17)
-    with pytest.raises(ValueError, match="expert_mx_l2_ahead"):
-        dataclasses.replace(plan, expert_mx_mma=False, expert_mx_l2_ahead=2)
-    ptx = {}
-    for ahead in (0, 4):
-        _, _, dump = compile_plan(dataclasses.replace(plan, expert_mx_l2_ahead=ahead), tmp_path / str(ahead),
-                                  keep_ptx=True)
-        assert audit_dir(dump, expect_signals=False).ok, ahead
-        ptx[ahead] = next(dump.glob("*.ptx")).read_text()
-    # (the scheduler's prefetch across waits, prefetch_weights, is in both)
-    assert ptx[4].count("cp.async.bulk.prefetch.L2") >= ptx[0].count("cp.async.bulk.prefetch.L2") + 8
-    for op in ("mma.sync", "ld.global.v4"):
-        assert ptx[4].count(op) == ptx[0].count(op) > 0, op

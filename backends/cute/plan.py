@@ -467,11 +467,6 @@ class KernelPlan:
     # +0.1% on slice4-e128 (memory-bound there: the dead rows' loads repeat a live row's
     # addresses), so that body keeps whole units (the code is in commit 14492b8).
     expert_half_units: bool = True
-    # EXPERT_MXFP4 tensor-core body: lane 0 of a warp bulk-prefetches (cp.async.bulk.prefetch.L2)
-    # its unit's weight and scale chunks this many 128-column chunks ahead of the loads (0: off),
-    # so bytes are in flight to L2 beyond what registers hold (the body alone keeps one GLU
-    # chunk, 2 KB per warp, in flight: stop 22). Weights only, after the task's wait.
-    expert_mx_l2_ahead: int = 0
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -527,8 +522,6 @@ class KernelPlan:
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")
-        if not 0 <= self.expert_mx_l2_ahead <= 16 or (self.expert_mx_l2_ahead and not self.expert_mx_mma):
-            raise ValueError(f"expert_mx_l2_ahead {self.expert_mx_l2_ahead} must be 0..16 and needs expert_mx_mma")
         if self.expert_cols not in (8, 16):
             raise ValueError(f"expert_cols {self.expert_cols} must be 8 or 16")
         if self.mxfp4_decode not in ("f16", "lut"):

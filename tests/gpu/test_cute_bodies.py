@@ -26,8 +26,7 @@ def ref(name, args, **attrs):
     (1, "regs", 8, False, False), (4, "regs", 8, False, False), (16, "regs", 8, False, False),
     (16, "regs", 16, False, False), (1, "regs", 8, True, False), (4, "regs", 8, True, False),
     (16, "regs", 8, True, False), (1, "regs", 8, True, True), (16, "regs", 8, True, True),
-    (16, "regs", 16, True, True), (16, "regs", 8, True, "whole"), (1, "regs", 8, True, "l2"),
-    (16, "regs", 8, True, "l2"),
+    (16, "regs", 16, True, True), (16, "regs", 8, True, "whole"),
     (1, "ring", 8, False, False), (4, "ring", 8, False, False), (16, "ring", 8, False, False)])
 def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
@@ -36,9 +35,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     (expert_mx_mma; its scale bytes capped at 128, the body's domain). `cut`: the expert rows
     cut into tasks whose last 16-row unit has at most 8 live rows (6 GLU tasks of 21-22 rows,
     5 DOWN tasks of 51-52), where the MXFP4 tensor-core body runs the short last units as two K
-    halves (expert_half_units, on by default), "whole": that cut without it, or "l2": that cut
-    with the MXFP4 body's L2 stream-ahead (expert_mx_l2_ahead 2: prefetches only, which must
-    not change a bit nor fault past a row's chunks). 64 pairs over 8
+    halves (expert_half_units, on by default), or "whole": that cut without it. 64 pairs over 8
     experts at B = 16: experts chosen by more pairs than a group holds take several groups."""
     from fusec.backends.cute.weight_tiles import mx_tile, tile
 
@@ -104,7 +101,6 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
                       expert_tiles=tiles, expert_mx_mma=tiles, expert_half_units=cut != "whole",
-                      expert_mx_l2_ahead=2 if cut == "l2" else 0,
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}"
                            f"{'_' + cut if isinstance(cut, str) else ''}")
     rt = Megakernel(plan)
