@@ -227,7 +227,7 @@ def bench_batch(args, graph, cfg, weights, wmod, batch: int) -> dict:
         if best is None or us < best[2]:
             best = (m, step, us, fn, secs)
         else:
-            del step, fn
+            step = fn = None   # drop the slower candidate's graphs before the next one compiles
     moe, step, _, fn, compile_s = best
     gc.collect()
 
@@ -290,7 +290,7 @@ def bench_batch(args, graph, cfg, weights, wmod, batch: int) -> dict:
           f"{t['baseline']:.0f} us, baseline/fusec {row['ratio']:.2f}x; {total / 1e9:.3f} GB -> fusec "
           f"{row['roofline_fraction'] * 100:.0f}%, baseline {row['baseline_roofline_fraction'] * 100:.0f}% of "
           f"{HBM_TBPS} TB/s; logits rel err {err:.2e}, next tokens agree {agree}/{batch}", flush=True)
-    del timers, fstep, run, kernel, step, fn
+    timers = fstep = run = kernel = step = fn = None   # free both sides' GPU memory before the next batch
     return row
 
 

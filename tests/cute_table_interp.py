@@ -17,8 +17,6 @@ while others still run, as separate launches on separate GPUs would.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import random
 
 import torch

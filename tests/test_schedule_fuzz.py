@@ -12,7 +12,6 @@ import pytest
 
 from fusec.ir.schedule import InstrKind
 from fusec.testing import schedule_fuzz as F
-from fusec.testing.schedule_fuzz_oracle import Oracle
 
 ROOT = Path(__file__).resolve().parents[1]
 
