@@ -53,7 +53,9 @@ for stage in "$@"; do
              --json "$OUT/ranks.json" ${RANKS_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/ranks.log" | tail -30 ;;
     overhead) timeout 400 python3 benchmarks/step_overhead.py --config ${OVERHEAD_CONFIG:-tiny} --batches ${OVERHEAD_BATCHES:-1,16} \
                 2>&1 | grep -v Warn | tee "$OUT/step_overhead.log" | tail -40 ;;
-    mxbody) timeout 500 python3 benchmarks/mx_expert_body.py --batches ${MXBODY_BATCHES:-16,1} ${MXBODY_ARGS:-} 2>&1 | grep -v Warn \
+    mxbody) # MXBODY_VARIANTS="expert_mx_down_unroll=4 expert_mx_glu_unroll=2" (space-separated builds)
+            timeout 500 python3 benchmarks/mx_expert_body.py --batches ${MXBODY_BATCHES:-16,1} \
+              --variants "${MXBODY_VARIANTS:-}" ${MXBODY_ARGS:-} 2>&1 | grep -v Warn \
               | tee "$OUT/mx_expert_body.log" | tail -30 ;;
     ncu) # Nsight Compute on mx_expert_body.py's kernels (Firecracker machines only; clocks left alone):
          # NCU_KERNELS="mx_glu_b16_0 mx_glu_b16_1" NCU_ARGS="--variants expert_mx_probe=no_decode" bash ... ncu

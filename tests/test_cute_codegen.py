@@ -382,3 +382,24 @@ def test_expert_half_units_add_the_mx_half_loops(cutlass_available, tmp_path):
         else:
             assert ptx[True].count("mma.sync") > ptx[False].count("mma.sync") > 0
             assert ptx[True].count("ld.global.v4") > ptx[False].count("ld.global.v4")
+
+
+def test_expert_mx_unrolls_are_plan_fields(cutlass_available, tmp_path):
+    """KernelPlan.expert_mx_glu_unroll / expert_mx_down_unroll (1 / 2 by default): the MXFP4
+    tensor-core body's chunks of loads issued together per unit, for side-by-side runs. Other
+    values compile for sm_90a, pass the PTX audit and unroll more loads; 0 or 5 is refused."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+
+    plan = _expert_mx_plan((3584, 3072))
+    assert (plan.expert_mx_glu_unroll, plan.expert_mx_down_unroll) == (1, 2)
+    for bad in ({"expert_mx_glu_unroll": 0}, {"expert_mx_down_unroll": 5}):
+        with pytest.raises(ValueError, match="unroll"):
+            dataclasses.replace(plan, **bad)
+    loads = {}
+    for u in ((1, 2), (2, 4)):
+        p = dataclasses.replace(plan, expert_mx_glu_unroll=u[0], expert_mx_down_unroll=u[1])
+        _, _, dump = compile_plan(p, tmp_path / f"u{u[0]}{u[1]}", keep_ptx=True)
+        assert audit_dir(dump, expect_signals=False).ok, u
+        loads[u] = next(dump.glob("*.ptx")).read_text().count("ld.global.v4")
+    assert loads[(2, 4)] > loads[(1, 2)] > 0

@@ -467,6 +467,14 @@ class KernelPlan:
     # +0.1% on slice4-e128 (memory-bound there: the dead rows' loads repeat a live row's
     # addresses), so that body keeps whole units (the code is in commit 14492b8).
     expert_half_units: bool = True
+    # EXPERT_MXFP4 tensor-core body: 128-column chunks whose loads are issued together per unit,
+    # GLU (64 bytes per lane a chunk: gate and up rows g, g + 8) and DOWN (32). With 1 / 2 the
+    # body alone holds 64 B per lane in flight in both; stop 22's ptxas counts (GLU 2 or DOWN
+    # 3-4: 40-84 B of spills) kept them there untimed. Stop 24's SASS of the body has those
+    # spills at task and unit entry and none in a chunk loop (GLU 2 and DOWN 4 as well), so
+    # they are fields for a side-by-side run (benchmarks/plan_variants.py).
+    expert_mx_glu_unroll: int = 1
+    expert_mx_down_unroll: int = 2
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -522,6 +530,9 @@ class KernelPlan:
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")
+        if not (1 <= self.expert_mx_glu_unroll <= 4 and 1 <= self.expert_mx_down_unroll <= 4):
+            raise ValueError(f"expert_mx_glu_unroll {self.expert_mx_glu_unroll} and expert_mx_down_unroll "
+                             f"{self.expert_mx_down_unroll} must be 1..4")
         if self.expert_cols not in (8, 16):
             raise ValueError(f"expert_cols {self.expert_cols} must be 8 or 16")
         if self.mxfp4_decode not in ("f16", "lut"):
