@@ -480,11 +480,7 @@ class KernelPlan:
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
     # Diagnostic, WRONG results (benchmarks/mx_expert_body.py only): the EXPERT_MXFP4 tensor-core
     # body without part of its work, to see what bounds it. "no_decode": the raw words go to the
-    # MMAs; "no_mma": decoded words are summed instead of multiplied; "loads_only": neither;
-    # "fp8_decode": the instruction stream an FP8 path would run (each word split into two
-    # e4m3x4 registers by 4 integer ops, two mma.sync m16n8k32 e4m3 per block and n8 tile into
-    # a zeroed fragment, the block scale as 4 FFMAs onto acc), on the bf16 activations as if
-    # they were the e4m3 hi / lo terms: what a cheaper decode would buy, before building one.
+    # MMAs; "no_mma": decoded words are summed instead of multiplied; "loads_only": neither.
     expert_mx_probe: str = ""
     # Delay injection: before its body, task t sleeps delay_ns * (1 + (t * 7919) % 8) / 8, so
     # producers write late and in a reshuffled order; a missing wait then reads stale data.
@@ -527,10 +523,10 @@ class KernelPlan:
         if self.expert_tiles and (self.expert_stream != "regs" or self.l2_ahead or self.ranks > 1):
             raise ValueError("expert_tiles needs the register expert body (expert_stream 'regs'), l2_ahead 0 "
                              "and one rank")
-        if self.expert_mx_probe not in ("", "no_decode", "no_mma", "loads_only", "fp8_decode") or (
+        if self.expert_mx_probe not in ("", "no_decode", "no_mma", "loads_only") or (
                 self.expert_mx_probe and not self.expert_mx_mma):
-            raise ValueError(f"expert_mx_probe {self.expert_mx_probe!r} must be '', 'no_decode', 'no_mma', "
-                             "'loads_only' or 'fp8_decode', and needs expert_mx_mma")
+            raise ValueError(f"expert_mx_probe {self.expert_mx_probe!r} must be '', 'no_decode', 'no_mma' or "
+                             "'loads_only', and needs expert_mx_mma")
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")
