@@ -16,8 +16,8 @@ orig = open(T).read()
 cuts = {
     "full": [],
     "noS_mma": [("_mma_bf16([qa[u][0]", "pass  # "), ("_mma_bf16([qa[u][2]", "pass  # ")],
-    "noPV_mma": [("_mma_bf16([pa[0]", "pass  # "), ("_mma_bf16([pa[2]", "pass  # ")],
-    "no_softmax": [("while hl < nhb:", "while hl < 0:")],
+    "noPV_mma": [("_mma_bf16(pf[mt * (MLA_SR // 16) + 2 * kp + h]", "pass  # ")],
+    "no_softmax": [("_mla_softmax(sm, sp, warp, lane, nhb, nr)", "pass  # ")],
     "no_next_stage_load": [("if blk + MLA_SR < end:", "if blk + MLA_SR < 0:")],
     "no_S_loop": [("while si < mtn * (MLA_SR // 8):", "while si < 0:")],
     "no_PV_loop": [("if nt < nlt:\n                            for mt", "if nt < 0:\n                            for mt")],

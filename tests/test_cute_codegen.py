@@ -321,30 +321,6 @@ def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
             name, str(res))
 
 
-def test_mla_partial_with_p_at_use_does_not_spill(cutlass_available, tmp_path):
-    """KernelPlan.mla_p_at_use (P's A fragments loaded at each MMA) keeps the MLA PARTIAL body in
-    the 128 registers of 512 threads: with the fragments held across the P V loop it spills
-    (96 B at K3's shapes, benchmarks/ptxas_bodies.py)."""
-    import torch
-
-    from fusec.backends.cute.codegen import compile_plan
-    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
-    from fusec.testing import cute_workloads as wl
-
-    if find_ptxas() is None:
-        pytest.skip("no ptxas (CUDA toolkit) on this machine")
-    b, h, lora, rope, length, chunks = 16, 64, 512, 64, 256, 8
-    bf = torch.bfloat16
-    part, _ = wl.mla_tasks(torch.zeros(b, h, lora, dtype=bf), torch.zeros(b, h, rope, dtype=bf),
-                           torch.zeros(b, length, lora + rope, dtype=bf), torch.zeros(b, dtype=torch.int32),
-                           torch.zeros(chunks, b, h, lora + 2), torch.zeros(b, h, lora, dtype=bf), 0.07)
-    plan = KernelPlan(tasks=tuple(part), queues=round_robin_queues(len(part), 132), num_events=1, batch=b,
-                      mla_p_at_use=True, name="mla_p")
-    _, _, dump = compile_plan(plan, tmp_path / "mla", keep_ptx=True)
-    res = ptxas_resources(next(dump.glob("*.ptx")))
-    assert res.registers <= 128 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0, str(res)
-
-
 def test_gemv_tiles_needs_the_tensor_core_body():
     """KernelPlan.gemv_tiles is read by the tensor-core GEMV bodies only: refused with the CUDA-core
     body (batch 1), with the in-body L2 prefetch (row-major offsets) and for rank groups."""

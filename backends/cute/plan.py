@@ -492,11 +492,6 @@ class KernelPlan:
     # slice4-e128 step 8076 against 8134 / 5179 against 5196 us (one H200 run,
     # docs/results/mla_partial_h200_stop13.log, cute_speed_h200_slice4-e128_mla_stop13.log).
     mla_head_tiles: int = 4
-    # MLA PARTIAL: load P's A fragments at each MMA instead of once per stage (32 registers live
-    # across the P V loop otherwise; the body alone spills 96 B at the 128-register cap, and the
-    # whole kernel's stage takes ~15.5 us against ~8.3 in the body's own benchmark). Same MMAs
-    # in the same order: same bits. Off until timed (benchmarks/plan_variants.py).
-    mla_p_at_use: bool = False
     mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
     ranks: int = 1      # R > 1: this is one rank's table of a multi-rank step (module docstring)
