@@ -78,11 +78,11 @@ for stage in "$@"; do
            grep -v -i warn "$OUT/ncu_$kn.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|L1|L2|==ERR|rror" | head -60
          done ;;
     variants) # KernelPlan variants against the default build, one batch per run (plan_variants.py):
-              # PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 bash benchmarks/h200_session.sh variants
+              # PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 [PLAN_ARGS=--control] bash benchmarks/h200_session.sh variants
               pb=${PLAN_BATCHES:-16,4,1}
               for b in ${pb//,/ }; do
                 timeout 280 python3 benchmarks/plan_variants.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
-                  --variants "${PLAN_VARIANTS:-expert_stream=ring}" --rounds ${PLAN_ROUNDS:-3} 2>&1 | grep -v Warn
+                  --variants "${PLAN_VARIANTS:-expert_stream=ring}" --rounds ${PLAN_ROUNDS:-3} ${PLAN_ARGS:-} 2>&1 | grep -v Warn
               done | tee "$OUT/plan_variants.log" | grep -E "^\||built" ;;
     *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, overhead, mxbody, ncu)"; exit 2 ;;
   esac

@@ -7,8 +7,11 @@ The default build is `fusec.compile(..., backend="cute", device="cuda")` at posi
 (one step first, so the arena holds real routing). Each variant is a new compile of the same task
 table over the same arena: first its logits are checked against the default build's from the
 same state (the state is saved and restored around each step), then every build is timed as
-CUDA-graph replays in interleaved rounds; each round is the median of `reps` replays, and the
-row shows the median round. The same thing as benchmarks/cute_speed.py's --plan-variants, but
+CUDA-graph replays in interleaved rounds, the order rotated by one build each round (the same
+order every round put each variant at the same place in it: a drift within a round then reads
+as a difference); each round is the median of `reps` replays, and the row shows the median
+round. `--control` adds the default plan built again as a variant: its row is the run's own
+noise floor (build-to-build and order effects). The same thing as benchmarks/cute_speed.py's --plan-variants, but
 without the profile build and the per-kind table, for one batch at a time when device time is
 short.
 """
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="';'-separated 'field=value[,field=value]' plan settings")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--control", action="store_true", help="also time the default plan built again (an A/A row)")
     args = ap.parse_args()
     from fusec.backends.cute.runtime import Megakernel
     from fusec.backends.cute.weight_tiles import (expert_mx_regions, expert_weight_regions, gemv_weight_regions,
@@ -86,8 +90,9 @@ def main() -> None:
     builds = {"default": run.kernel}
     checks = {"default": ""}
     tiles_of = {"default": dict(run.mem.tiled)}
-    for v in (x for x in args.variants.split(";") if x):
-        kv = plan_fields(run.plan, v, "plan_variants")
+    wanted = [x for x in args.variants.split(";") if x] + (["default (rebuilt)"] if args.control else [])
+    for v in wanted:
+        kv = plan_fields(run.plan, v, "plan_variants") if v != "default (rebuilt)" else {}
         t1 = time.perf_counter()
         plan = dataclasses.replace(run.plan, **kv)
         plan = plan.with_tasks(tiled_rows(run.lowered, list(plan.tasks), gemv_regions if plan.gemv_tiles else {}))
@@ -102,8 +107,10 @@ def main() -> None:
         builds[v] = mk
     graphs = {v: mk.capture_graph() for v, mk in builds.items()}
     times: dict[str, list[float]] = {v: [] for v in builds}
-    for _ in range(args.rounds):
-        for v, gr in graphs.items():
+    order = list(graphs)
+    for r in range(args.rounds):
+        for v in order[r % len(order):] + order[:r % len(order)]:
+            gr = graphs[v]
             use_layout(tiles_of[v])
             times[v].append(median_us(gr.replay, args.reps))
             builds[v].check()
