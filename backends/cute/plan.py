@@ -492,13 +492,6 @@ class KernelPlan:
     # slice4-e128 step 8076 against 8134 / 5179 against 5196 us (one H200 run,
     # docs/results/mla_partial_h200_stop13.log, cute_speed_h200_slice4-e128_mla_stop13.log).
     mla_head_tiles: int = 4
-    # MLA PARTIAL, stop 25 (off until timed): staged rows swizzled instead of padded, so the S
-    # operand loads are free of bank conflicts (the template's MLA_SWZ says how).
-    mla_swizzle: bool = False
-    # MLA PARTIAL, stop 25 (off until timed): S = Q K^T split over K between the warps, each
-    # computing a head tile against all of a stage's rows (half the shared-memory bytes per MMA;
-    # the template's MLA_KSPLIT says how). Sums in another order: not the same bits.
-    mla_ksplit: bool = False
     mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
     ranks: int = 1      # R > 1: this is one rank's table of a multi-rank step (module docstring)
