@@ -11,6 +11,9 @@ Per batch size:
   - the reference executor over the same lowered graph, eager, same weights (under
     torch.compile: benchmarks/reference_compile.py).
 With FUSEC_PROFILE_DIR set, each profile is also saved (torch.save) for offline analysis.
+`--profile-plan field=value[,...]` profiles a variant of the plan instead of the default (the
+saved file's name then ends in `_variant`): where a variant's time goes inside the step, which a
+body's own benchmark does not say.
 Writes no docs itself: paste the printed table into docs/performance.md.
 
     python benchmarks/cute_speed.py [--config slice4] [--batches 1,4,16]
@@ -27,6 +30,7 @@ import traceback
 import torch
 
 import fusec
+from _plan_args import plan_fields  # benchmarks/_plan_args.py
 from _timing import median_us  # benchmarks/_timing.py (this script's folder)
 
 HBM_TBPS = 4.16
@@ -34,6 +38,7 @@ SAVE_DIR = os.environ.get("FUSEC_PROFILE_DIR")   # set: also save each profile (
 PREFETCH_KB = [0, 16, 64]   # --prefetch-kb
 GEMV_VARIANTS: list[str] = []   # --gemv-variants: other GEMV_BF16 bodies timed on the same table
 PLAN_VARIANTS: list[str] = []   # --plan-variants: other compile-time plan fields, same table
+PROFILE_PLAN = [""]             # --profile-plan: the plan fields of the profile build ("" = default)
 
 
 def model_path() -> str:
@@ -167,8 +172,7 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
         mk = Megakernel(dataclasses.replace(run.plan, gemv=gv))   # a new body: a new compile
         pf[f"gemv={gv}"] = (mk, mk.capture_graph(), [])
     for pv in PLAN_VARIANTS:   # "field=value,field=value": other compile-time plan settings
-        kv = dict(f.split("=") for f in pv.split(","))
-        mk = Megakernel(dataclasses.replace(run.plan, **{k: type(getattr(run.plan, k) if getattr(run.plan, k) is not None else 0)(v) for k, v in kv.items()}))
+        mk = Megakernel(dataclasses.replace(run.plan, **plan_fields(run.plan, pv, "cute_speed")))
         pf[pv] = (mk, mk.capture_graph(), [])
     for _ in range(3):
         for cap, (mk, g, ts) in pf.items():
@@ -177,7 +181,7 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
     t_kernel = sorted(pf.pop("default")[2])[1]
     pf_us = {cap: sorted(ts)[1] for cap, (_, _, ts) in pf.items()}
     del pf
-    prof_plan = dataclasses.replace(run.plan, profile=True)
+    prof_plan = dataclasses.replace(run.plan, profile=True, **plan_fields(run.plan, PROFILE_PLAN[0], "cute_speed"))
     mk = Megakernel(prof_plan)
     mk.step()
     mk.check()
@@ -189,7 +193,7 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
         cta = torch.zeros(len(run.plan.tasks), dtype=torch.int64)
         for c, q in enumerate(run.plan.queues):
             cta[list(q)] = c
-        torch.save({"prof": prof, "rows": rows, "cta": cta}, os.path.join(SAVE_DIR, f"profile_{config}_b{batch}.pt"))
+        torch.save({"prof": prof, "rows": rows, "cta": cta}, os.path.join(SAVE_DIR, f"profile_{config}_b{batch}{'_variant' if PROFILE_PLAN[0] else ''}.pt"))
     kinds = kind_table(run, prof, actual / model if model else 1.0)
     wall = (int(prof[:, 2].max()) - int(prof[:, 0][prof[:, 0] > 0].min())) / 1e3
     body = (prof[:, 2] - prof[:, 1]).double() / 1e3
@@ -212,11 +216,14 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-variants", default="", help="other GEMV_BF16 bodies to time (simt, mma)")
     ap.add_argument("--plan-variants", default="", help="other plan settings to time, ';'-separated, "
                     "each 'field=value[,field=value]' (e.g. 'l2_ahead=0;l2_ahead=4')")
+    ap.add_argument("--profile-plan", default="", help="plan settings of the profile build, "
+                    "'field=value[,field=value]' (default: the default plan's)")
     args = ap.parse_args(argv)
+    PROFILE_PLAN[0] = args.profile_plan
     PREFETCH_KB[:] = [int(x) for x in args.prefetch_kb.split(",") if x]
     GEMV_VARIANTS[:] = [x for x in args.gemv_variants.split(",") if x]
     PLAN_VARIANTS[:] = [x for x in args.plan_variants.split(";") if x]
-    if any("_tiles" in v for v in PLAN_VARIANTS):   # their weights must be repacked: a new arena layout
+    if any("_tiles" in v for v in PLAN_VARIANTS + PROFILE_PLAN):   # their weights must be repacked: a new arena layout
         ap.error("gemv_tiles / expert_tiles change the weights' layout: time them with benchmarks/plan_variants.py")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, config {args.config}, "
           f"position {args.max_len - 1}, GEMV_BF16 body {GEMV_VARIANTS and 'default (' + ','.join(GEMV_VARIANTS) + ' timed too)' or 'default'}", flush=True)

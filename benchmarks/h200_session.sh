@@ -23,7 +23,7 @@ for stage in "$@"; do
   case $stage in
     speed) FUSEC_PROFILE_DIR=$OUT timeout 420 python3 benchmarks/cute_speed.py --config ${SPEED_CONFIG:-slice4} \
              --batches ${SPEED_BATCHES:-1,4,16} --reps 20 --prefetch-kb ${SPEED_PF:-0,64} \
-             --gemv-variants=${SPEED_GEMV:-} --plan-variants="${SPEED_PLAN:-}" 2>&1 | grep -v Warn | tee "$OUT/speed.log" | tail -30 ;;
+             --gemv-variants=${SPEED_GEMV:-} --plan-variants="${SPEED_PLAN:-}" --profile-plan="${SPEED_PROFILE_PLAN:-}" 2>&1 | grep -v Warn | tee "$OUT/speed.log" | tail -30 ;;
     model-k3) timeout 540 python3 benchmarks/cute_model.py --cases kimi_k3:slice4,kimi_k3:slice4-e128 \
                 --batches 1,4,16 --delay-cases none 2>&1 | grep -v Warning > "$OUT/model_k3.log"; tail -14 "$OUT/model_k3.log" ;;
     model-small) timeout 400 python3 benchmarks/cute_model.py --cases kimi_k3:tiny,llama:tiny,llama:llama-3.2-1b \
