@@ -321,6 +321,21 @@ def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
             name, str(res))
 
 
+def test_mla_combine_pairs_needs_two_columns_per_thread():
+    """KernelPlan.mla_combine_pairs gives each of lora / 2 threads two columns of an item: a
+    COMBINE row whose kv_lora needs more threads than the CTA has (or is odd) is refused, where
+    the body would otherwise merge nothing; the default combine takes any width."""
+    from fusec.backends.cute.plan import MlaMode
+
+    row = TaskRow(Opcode.MLA, 0, n0=0, n1=4, k=512, p0=4, p1=3, sub=MlaMode.COMBINE)
+    KernelPlan(tasks=(row,), queues=((0,),), num_events=1, batch=1, threads=256, mla_combine_pairs=True)
+    KernelPlan(tasks=(row,), queues=((0,),), num_events=1, batch=1, threads=128)
+    for bad in (dict(threads=128), dict(tasks=(dataclasses.replace(row, k=511),))):
+        with pytest.raises(ValueError, match="mla_combine_pairs"):
+            KernelPlan(**{**dict(tasks=(row,), queues=((0,),), num_events=1, batch=1, threads=256,
+                                 mla_combine_pairs=True), **bad})
+
+
 def test_gemv_tiles_needs_the_tensor_core_body():
     """KernelPlan.gemv_tiles is read by the tensor-core GEMV bodies only: refused with the CUDA-core
     body (batch 1), with the in-body L2 prefetch (row-major offsets) and for rank groups."""

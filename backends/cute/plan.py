@@ -492,6 +492,11 @@ class KernelPlan:
     # slice4-e128 step 8076 against 8134 / 5179 against 5196 us (one H200 run,
     # docs/results/mla_partial_h200_stop13.log, cute_speed_h200_slice4-e128_mla_stop13.log).
     mla_head_tiles: int = 4
+    # MLA COMBINE, stop 25 (off until timed): lora / 2 threads per (b, h) item, the chunk weights
+    # computed per thread as it goes, no barrier (the template's MLA_COMB_PAIRS). At B = 16 the
+    # CTA-per-item combine was ~53 us on the critical path (stop 20 profile) for ~17 MB of
+    # partials. Sums in another order: not the same bits.
+    mla_combine_pairs: bool = False
     mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
     ranks: int = 1      # R > 1: this is one rank's table of a multi-rank step (module docstring)
@@ -575,6 +580,10 @@ class KernelPlan:
             if t.opcode == Opcode.MLA and (t.k > MLA_MAX_LORA or t.p2 > MLA_MAX_ROPE or t.p1 > MLA_MAX_CHUNKS):
                 raise ValueError(f"task {t.task_id}: MLA needs kv_lora <= {MLA_MAX_LORA}, rope <= {MLA_MAX_ROPE}, "
                                  f"chunks <= {MLA_MAX_CHUNKS}")
+            if (self.mla_combine_pairs and t.opcode == Opcode.MLA and t.sub == MlaMode.COMBINE
+                    and (t.k % 2 or t.k // 2 > self.threads)):
+                raise ValueError(f"task {t.task_id}: mla_combine_pairs needs kv_lora even and at most "
+                                 f"2 * threads ({2 * self.threads})")
             # 16-byte vector loads: MLA PARTIAL (q_lat, q_pe through its strides, cache rows),
             # ATTN_RES (source, weight and output rows), ARGMAX (logit rows).
             if t.opcode == Opcode.MLA and t.sub == MlaMode.PARTIAL and (
