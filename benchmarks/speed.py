@@ -16,8 +16,9 @@ Per batch B, in one process and on the same random weights (one dict, shared):
     / max |fusec logits|; reported, not asserted: routing near-ties may pick other experts);
   - the ratio of the graph replay (`ratio`), and of the public calls: `step()` against the
     compiled baseline call, each alone (`ratio_step`) and in a decode loop (`ratio_loop`);
-  - `rounds` interleaved rounds; in each, every timer gives the median of `reps` calls (CUDA
-    events, a sync after each call); the row reports the median over rounds;
+  - `rounds` interleaved rounds, the timers' order rotated by one each round; in each, every
+    timer gives the median of `reps` calls (CUDA events, a sync after each call); the row
+    reports the median over rounds;
   - the bytes a step must move (`step_bytes`): every non-expert weight except the embedding
     table, the embedding rows of the distinct tokens, per MoE layer the distinct experts fusec's
     router picked in the checked step times the bytes of one expert, every state read and
@@ -260,9 +261,12 @@ def bench_batch(args, graph, cfg, weights, wmod, batch: int) -> dict:
     timers["fusec_step_loop"] = lambda: [fstep.step(tok, posv) for _ in range(LOOP)]
     timers["baseline_loop"] = lambda: [fn(tok, posv) for _ in range(LOOP)]
     ts = {k: [] for k in timers}
-    for _ in range(args.rounds):
-        for k, f in timers.items():
-            ts[k].append(median_us(f, args.reps, cuda) / (LOOP if k.endswith("_loop") else 1))
+    order = list(timers)
+    for r in range(args.rounds):
+        # the order rotated by one timer a round: a drift within a round is not always charged
+        # to the same side (benchmarks/plan_variants.py measured that bias, stop 25)
+        for k in order[r % len(order):] + order[:r % len(order)]:
+            ts[k].append(median_us(timers[k], args.reps, cuda) / (LOOP if k.endswith("_loop") else 1))
     if kernel is not None and hasattr(kernel, "check"):
         kernel.check()
     t = {k: median(v) for k, v in ts.items()}
