@@ -28,19 +28,30 @@ def median_us(fn, reps: int, cuda: bool = True) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def graph_step_us(rt, reps: int, steps: int = 10) -> float:
+# Bytes written to evict L2 before a cold replay (H200: 50 MB of L2).
+COLD_BYTES = 256 << 20
+
+
+def graph_step_us(rt, reps: int, steps: int = 10, cold: bool = False) -> float:
     """Median microseconds per step of megakernel `rt` (backends/cute/runtime.Megakernel): a CUDA
     graph of `steps` steps replayed `reps` times after one warm-up replay, CUDA events around each
-    replay, so host launch overhead is not counted; the kernel's bounded-wait error is raised."""
+    replay, so host launch overhead is not counted; the kernel's bounded-wait error is raised.
+    cold: one step per replay, with L2 overwritten (COLD_BYTES written) before each, outside
+    the timed window: a body's operands then come from HBM as inside a decode step, where the
+    weights streamed between two of its layers evict them."""
     import statistics
 
     import torch
 
+    steps = 1 if cold else steps
+    flush = torch.empty(COLD_BYTES, dtype=torch.uint8, device="cuda") if cold else None
     g = rt.capture_graph(steps=steps)
     g.replay()
     ts = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if flush is not None:
+            flush.fill_(1)
         a.record()
         g.replay()
         b.record()

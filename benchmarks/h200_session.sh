@@ -49,7 +49,7 @@ for stage in "$@"; do
              --rounds ${SPEED_ROUNDS:-5} --json "$OUT/speed.json" 2>&1 | grep -v Warn | tee "$OUT/ratio.log" | tail -24 ;;
     gemv-tests) timeout 300 python3 -m pytest -q -rP -m gpu tests/gpu/test_cute_gemv.py -p no:warnings > "$OUT/pytest_gemv.log" 2>&1
                 grep -E "passed|failed|error|Error" "$OUT/pytest_gemv.log" | tail -20 ;;
-    mla) timeout 300 python3 benchmarks/mla_partial.py --batches ${MLA_BATCHES:-1,4,16} --variants "${MLA_VARIANTS:-}" 2>&1 \
+    mla) timeout 300 python3 benchmarks/mla_partial.py --batches ${MLA_BATCHES:-1,4,16} --variants "${MLA_VARIANTS:-}" ${MLA_ARGS:-} 2>&1 \
            | grep -v Warn > "$OUT/mla_partial.log"; tail -16 "$OUT/mla_partial.log" ;;
     bodies) timeout 300 python3 -m pytest -q -rP -m gpu tests/gpu/test_cute_bodies.py -k "${BODIES_K:-}" -p no:warnings > "$OUT/pytest_bodies.log" 2>&1
             grep -E "passed|failed|error|Error" "$OUT/pytest_bodies.log" | tail -20 ;;

@@ -7,7 +7,9 @@ cache split into the chunks the lowering picks (min(SMs // B, rows / 32)), one t
 (chunk, batch row) on 132 CTAs, as in the megakernel. Each variant (compile-time KernelPlan
 fields) is a new compile; its partial rows are compared with the registry's
 mla_attention_partial (relative error < 2e-2), then timed: CUDA graph of 10 steps, median of
-`--reps` replays. The table printed last goes into docs/performance.md.
+`--reps` replays (`--cold`: one step a replay, L2 flushed before each: the body's own benchmark
+otherwise finds part of the 75 MB cache of B = 16 in L2 from the replay before, which a decode
+step never does). The table printed last goes into docs/performance.md.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from fusec.backends.cute.runtime import Megakernel
 from fusec.ir.registry import get_op
 from fusec.testing import cute_workloads as wl
 
+from _plan_args import plan_fields  # benchmarks/_plan_args.py
 from _timing import graph_step_us  # benchmarks/_timing.py (this script's folder)
 
 SMS, HEADS, LORA, ROPE, LEN = 132, 64, 512, 64, 4096
@@ -31,6 +34,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--variants", default="", help="';'-separated 'field=value[,field=value]' plan settings")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cold", action="store_true", help="one step per replay with L2 flushed before it "
+                    "(the cache from HBM, as in a decode step)")
     args = ap.parse_args()
     variants = [""] + [v for v in args.variants.split(";") if v]
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -49,14 +54,13 @@ def main() -> None:
         base = KernelPlan(tasks=tuple(part), queues=round_robin_queues(len(part), SMS), num_events=1,
                           batch=batch, name=f"mla_b{batch}")
         for v in variants:
-            kv = dict(f.split("=") for f in v.split(",") if f)
-            plan = dataclasses.replace(base, **{k: type(getattr(base, k) if getattr(base, k) is not None else 0)(x) for k, x in kv.items()})
+            plan = dataclasses.replace(base, **plan_fields(base, v, "mla_partial"))
             rt = Megakernel(plan)
             parts.fill_(float("nan"))
             rt.step()
             rt.check()
             err = wl.rel_err(parts, p_ref)
-            us = graph_step_us(rt, args.reps)
+            us = graph_step_us(rt, args.reps, cold=args.cold)
             rows.append((batch, chunks, v or "default", us, err))
             print(f"B={batch} chunks={chunks} {v or 'default'}: {us:.1f} us, rel err {err:.2e}", flush=True)
     print("\n| B | chunks | variant | MLA partial us | rel err |\n|---|---|---|---|---|")
