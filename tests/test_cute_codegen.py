@@ -394,3 +394,27 @@ def test_expert_mx_unrolls_are_plan_fields(cutlass_available, tmp_path):
         assert audit_dir(dump, expect_signals=False).ok, u
         loads[u] = next(dump.glob("*.ptx")).read_text().count("ld.global.v4")
     assert loads[(2, 4)] > loads[(1, 2)] > 0
+
+
+def test_weight_evict_first_covers_the_expert_loads(cutlass_available, tmp_path):
+    """KernelPlan.weight_evict_first: "experts" turns every 16-byte weight load of the bf16 and
+    MXFP4 expert tensor-core bodies into an ld.global with an L2 evict_first cache policy, ""
+    leaves the kernel without one; both compile for sm_90a and pass the PTX audit; other values are refused."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+
+    with pytest.raises(ValueError, match="weight_evict_first"):
+        small_plan(weight_evict_first="weights")
+    for name, plan in (("bf16", _expert_plan((3584, 3072), stream="regs", tiles=True)),
+                       ("mx", _expert_mx_plan((3584, 3072)))):
+        ptx = {}
+        for mode in ("", "experts"):
+            p = dataclasses.replace(plan, weight_evict_first=mode)
+            _, _, dump = compile_plan(p, tmp_path / f"{name}{mode}", keep_ptx=True)
+            assert audit_dir(dump, expect_signals=False).ok, (name, mode)
+            ptx[mode] = next(dump.glob("*.ptx")).read_text()
+        hinted = ptx["experts"].count("ld.global.L2::cache_hint.v4.b32")
+        assert "cache_hint" not in ptx[""] and "evict_first" not in ptx[""]
+        assert hinted > 0 and ptx["experts"].count("createpolicy.fractional.L2::evict_first") == hinted
+        # (not one for one: LLVM merges some plain loads of the tail chunks that it keeps as asm)
+        assert ptx["experts"].count("ld.global.v4") < ptx[""].count("ld.global.v4"), name

@@ -428,6 +428,14 @@ class KernelPlan:
     # Off: at 2 the slice4-e128 step measured 2-6% slower on the H200 (3728 / 7031 / 15627 us
     # at B = 1 / 4 / 16 against 3637 / 6644 / 15162 in the run before, baselines within 3%).
     l2_ahead: int = 0
+    # Streamed weight loads under an L2 evict_first policy (createpolicy + ld.global.L2::cache_hint),
+    # stop 26: "experts" (EXPERT_BF16 / EXPERT_MXFP4 tensor-core bodies), "all" (and the
+    # tensor-core GEMV_BF16 bodies) or "" (plain loads). A step streams 11 GB through the 50 MB
+    # L2, so everything else (the kernel's 339 KB of code, the task table, activations, the
+    # prefetched weights of the next rows) is evicted every ~12 us of streaming. lower.py picks it
+    # per batch from measurements; where the gain comes from is not known (the B = 1 profile
+    # build showed no row family but the experts shorter).
+    weight_evict_first: str = ""
     # EXPERT_BF16 weight streaming: "regs" (16-byte register loads, UNROLL chunks in flight) or
     # "ring" (cp.async.bulk into a per-warp shared-memory ring, expert_ring; no registers hold the
     # bytes in flight). Slower so far: slice4-e128 B = 4 on the H200 5501 against 5200 us, the
@@ -514,6 +522,8 @@ class KernelPlan:
             raise ValueError(f"gemv_kw {self.gemv_kw} must be 0 or a power of two up to the warps")
         if self.mma_tiles_per_unit not in (1, 2, 4):
             raise ValueError(f"mma_tiles_per_unit {self.mma_tiles_per_unit} must be 1, 2 or 4")
+        if self.weight_evict_first not in ("", "experts", "all"):
+            raise ValueError(f"weight_evict_first {self.weight_evict_first!r} must be '', 'experts' or 'all'")
         if not 1 <= self.mla_head_tiles <= 4:
             raise ValueError(f"mla_head_tiles {self.mla_head_tiles} must be 1..4")
         if self.expert_stream not in ("regs", "ring"):
