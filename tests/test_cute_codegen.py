@@ -336,6 +336,30 @@ def test_mla_combine_pairs_needs_two_columns_per_thread():
                                  mla_combine_pairs=True), **bad})
 
 
+def test_mla_combine_fields_compile_and_are_bounded(cutlass_available, tmp_path):
+    """mla_combine_unroll (rows in flight per thread) and mla_combine_weights_once (warp 0 reads
+    the chunks' (m, l) once): a COMBINE row compiles for sm_90a and passes the PTX audit with
+    them and more scalar loads in flight, and an unroll past 32 (16 with pairs) is refused.
+    (That they merge like the registry: tests/gpu/test_cute_bodies.py.)"""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.plan import MlaMode
+    from fusec.backends.cute.ptx_audit import audit_dir
+
+    row = TaskRow(Opcode.MLA, 0, n0=0, n1=4, k=512, p0=4, p1=3, sub=MlaMode.COMBINE)
+    base = KernelPlan(tasks=(row,), queues=((0,),), num_events=1, batch=1, threads=256, name="comb")
+    for bad in (dict(mla_combine_unroll=33), dict(mla_combine_unroll=0),
+                dict(mla_combine_unroll=32, mla_combine_pairs=True)):
+        with pytest.raises(ValueError, match="mla_combine_unroll"):
+            dataclasses.replace(base, **bad)
+    ptx = {}
+    for name, kw in (("default", {}), ("once", dict(mla_combine_weights_once=True, mla_combine_unroll=32))):
+        _, _, dump = compile_plan(dataclasses.replace(base, **kw), tmp_path / name, keep_ptx=True)
+        assert audit_dir(dump, expect_signals=False).ok, name
+        ptx[name] = next(dump.glob("*.ptx")).read_text()
+    # 4 x (m, l) per lane and 32 rows per thread against 1 + 2 and 8: +5 and +24 (23 -> 52)
+    assert ptx["once"].count("ld.global.b32") >= ptx["default"].count("ld.global.b32") + 5 + 24
+
+
 def test_gemv_tiles_needs_the_tensor_core_body():
     """KernelPlan.gemv_tiles is read by the tensor-core GEMV bodies only: refused with the CUDA-core
     body (batch 1), with the in-body L2 prefetch (row-major offsets) and for rank groups."""

@@ -505,6 +505,14 @@ class KernelPlan:
     # CTA-per-item combine was ~53 us on the critical path (stop 20 profile) for ~17 MB of
     # partials. Sums in another order: not the same bits.
     mla_combine_pairs: bool = False
+    # MLA COMBINE: chunks' partial rows each thread has in flight before its multiply-adds. At
+    # B = 1 the combine merges 128 chunks, 16 waited-for L2 round trips at 8 (~12 us of the
+    # step's critical path, stop 26's profile); stop 26, off until timed.
+    mla_combine_unroll: int = 8
+    # MLA COMBINE (the CTA per item): warp 0 reads the chunks' (m, l) once, 4 chunks per lane in
+    # flight, where the loop before read m, then m and l again, one chunk per lane at a time (8
+    # waited-for round trips at 128 chunks); the same bits. Stop 26, off until timed.
+    mla_combine_weights_once: bool = False
     mxfp4_decode: str = "f16"  # "f16": nibble -> f16 bits (6 int ops / 2 values); "lut": old path
     name: str = "megakernel"
     ranks: int = 1      # R > 1: this is one rank's table of a multi-rank step (module docstring)
@@ -522,6 +530,8 @@ class KernelPlan:
             raise ValueError(f"gemv_kw {self.gemv_kw} must be 0 or a power of two up to the warps")
         if self.mma_tiles_per_unit not in (1, 2, 4):
             raise ValueError(f"mma_tiles_per_unit {self.mma_tiles_per_unit} must be 1, 2 or 4")
+        if not 1 <= self.mla_combine_unroll <= (16 if self.mla_combine_pairs else 32):
+            raise ValueError(f"mla_combine_unroll {self.mla_combine_unroll} must be 1..32 (1..16 with mla_combine_pairs)")
         if self.weight_evict_first not in ("", "experts", "all"):
             raise ValueError(f"weight_evict_first {self.weight_evict_first!r} must be '', 'experts' or 'all'")
         if not 1 <= self.mla_head_tiles <= 4:

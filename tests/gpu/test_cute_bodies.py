@@ -227,11 +227,18 @@ def test_kda_family_over_batch_rows_matches_registry():
 
 # (batch, heads, cache rows, chunks): chunks past pos stay empty; 52 and 96 heads take two
 # blocks of the tensor-core body (one partly padded); 50-row chunks take two shared-memory stages.
-# 40 chunks: more than a warp's lanes (the combine's weights per chunk). pairs:
-# KernelPlan.mla_combine_pairs (its online weights meet empty chunks after a full one at 40).
-@pytest.mark.parametrize("pairs", [False, True])
-@pytest.mark.parametrize("batch,h,length,chunks", [(1, 8, 40, 4), (4, 52, 100, 2), (16, 96, 70, 3), (1, 8, 1400, 40)])
-def test_mla_split_sequence_matches_registry(batch, h, length, chunks, pairs):
+# 40 chunks: more than a warp's lanes (the combine's weights per chunk); 200: more than one
+# round of mla_combine_weights_once's 4 chunks per lane. combine: the COMBINE's plan fields, "cta"
+# the default, "pairs" KernelPlan.mla_combine_pairs (its online weights meet empty chunks after
+# a full one at 40), "once" mla_combine_weights_once with 16 rows in flight per thread.
+COMBINES = {"cta": {}, "pairs": {"mla_combine_pairs": True},
+            "once": {"mla_combine_weights_once": True, "mla_combine_unroll": 16}}
+
+
+@pytest.mark.parametrize("combine", list(COMBINES))
+@pytest.mark.parametrize("batch,h,length,chunks", [(1, 8, 40, 4), (4, 52, 100, 2), (16, 96, 70, 3), (1, 8, 1400, 40),
+                                                   (1, 8, 6400, 200)])
+def test_mla_split_sequence_matches_registry(batch, h, length, chunks, combine):
     """Partials per chunk, then the combine waits on them."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
@@ -247,7 +254,7 @@ def test_mla_split_sequence_matches_registry(batch, h, length, chunks, pairs):
     comb = [dataclasses.replace(t, wait_event=0, wait_per_step=len(part)) for t in comb]
     tasks = part + comb
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), len(tasks)), num_events=1,
-                      batch=batch, threads=256, mla_combine_pairs=pairs, name=f"k3b_mla{batch}{'c' * pairs}")
+                      batch=batch, threads=256, name=f"k3b_mla{batch}_{combine}", **COMBINES[combine])
     rt = Megakernel(plan)
     rt.step()
     rt.check()
