@@ -112,12 +112,13 @@ class Lowered:
         # within noise (+0.1%), B = 4 not measured
         # (docs/results/plan_variants_h200_slice4-e128_mla_stop20.log).
         kw.setdefault("mla_head_tiles", 2 if self.batch == 1 else 4)
-        # Expert weights under an L2 evict_first policy at batch 1 (the GEMV there streams on CUDA
-        # cores, which it does not cover): slice4-e128 on the H200, side by side with an A/A
-        # control (5 rounds): B = 1 3133 -> 3085 us (-1.5%, control -0.3%), same logits. With the
-        # tensor-core GEMV too ("all"): B = 4 +1.5% (control -0.8%), B = 16 +0.3% (control
-        # -0.0%) (docs/results/plan_variants_h200_slice4-e128_*_evict_first_stop26.log).
-        kw.setdefault("weight_evict_first", "experts" if self.batch == 1 else "")
+        # Expert weights under an L2 evict_first policy (at B = 1 the GEMV streams on CUDA cores,
+        # which it does not cover): slice4-e128 on the H200, side by side with an A/A control (5
+        # rounds), same logits: B = 1 3133 -> 3085 us (-1.5%, control -0.3%), B = 4 -0.3%
+        # (control -0.1%), B = 16 7618 -> 7466 (-2.0%, control -0.2%). The tensor-core GEMV too
+        # ("all"): B = 4 +1.5% (control -0.8%), B = 16 +0.3%
+        # (docs/results/plan_variants_h200_slice4-e128_*_evict_first_stop26.log).
+        kw.setdefault("weight_evict_first", "experts")
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)
