@@ -77,6 +77,13 @@ for stage in "$@"; do
              ${NCU_ARGS:-} > "$OUT/ncu_$kn.log" 2>&1
            grep -v -i warn "$OUT/ncu_$kn.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|L1|L2|==ERR|rror" | head -60
          done ;;
+    ncu-step) # Nsight Compute on one whole megakernel step (benchmarks/ncu_step.py): what its warps stall on;
+              # NCU_CONFIG=slice4-e128 NCU_BATCH=1 [NCU_PLAN="weight_evict_first="] bash benchmarks/h200_session.sh ncu-step
+              timeout 400 ncu --clock-control none --kernel-name regex:megakernel --launch-skip 2 --launch-count 1 \
+                --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SpeedOfLight \
+                python3 benchmarks/ncu_step.py --config ${NCU_CONFIG:-slice4-e128} --batch ${NCU_BATCH:-1} \
+                --plan "${NCU_PLAN:-}" > "$OUT/ncu_step.log" 2>&1
+              grep -v -i warn "$OUT/ncu_step.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|L1|L2|==ERR|rror|steps run" | head -60 ;;
     variants) # KernelPlan variants against the default build, one batch per run (plan_variants.py):
               # PLAN_VARIANTS="expert_stream=ring" PLAN_BATCHES=16,4,1 [PLAN_ARGS=--control] bash benchmarks/h200_session.sh variants
               pb=${PLAN_BATCHES:-16,4,1}
@@ -84,6 +91,6 @@ for stage in "$@"; do
                 timeout 280 python3 benchmarks/plan_variants.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
                   --variants "${PLAN_VARIANTS:-expert_stream=ring}" --rounds ${PLAN_ROUNDS:-3} ${PLAN_ARGS:-} 2>&1 | grep -v Warn
               done | tee "$OUT/plan_variants.log" | grep -E "^\||built" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, overhead, mxbody, ncu)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, overhead, mxbody, ncu, ncu-step)"; exit 2 ;;
   esac
 done
