@@ -442,3 +442,26 @@ def test_weight_evict_first_covers_the_expert_loads(cutlass_available, tmp_path)
         assert hinted > 0 and ptx["experts"].count("createpolicy.fractional.L2::evict_first") == hinted
         # (not one for one: LLVM merges some plain loads of the tail chunks that it keeps as asm)
         assert ptx["experts"].count("ld.global.v4") < ptx[""].count("ld.global.v4"), name
+
+
+def test_state_and_cache_evict_first_fields(cutlass_available, tmp_path):
+    """kda_state_evict_first / mla_cache_evict_first: the KDA body's state loads and stores and
+    the MLA PARTIAL's cache copies carry the L2 evict_first policy (and nothing else changes
+    kind: the queries' copies stay plain), compile for sm_90a and pass the PTX audit; off, the
+    kernel has no cache hint."""
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    base = KernelPlan(tasks=(TaskRow(Opcode.NOP, 0),), queues=((0,),), num_events=1, batch=4,
+                      extra_opcodes=(Opcode.KDA, Opcode.MLA), name="state_ef")
+    ptx = {}
+    for name, kw in (("off", {}), ("on", dict(kda_state_evict_first=True, mla_cache_evict_first=True))):
+        rep = audit_plan(dataclasses.replace(base, **kw), tmp_path / name)
+        assert rep.ok, (name, rep.violations)
+        ptx[name] = next((tmp_path / name).rglob("*.ptx")).read_text()
+    assert "cache_hint" not in ptx["off"]
+    assert ptx["on"].count("ld.global.L2::cache_hint.f32") > 0
+    assert ptx["on"].count("st.global.L2::cache_hint.f32") > 0
+    hinted = ptx["on"].count("cp.async.cg.shared.global.L2::cache_hint")
+    plain = ptx["on"].count("cp.async.cg.shared.global [")
+    assert hinted > 0 and plain > 0      # the cache's copies hinted, the queries' not
+    assert hinted + plain == ptx["off"].count("cp.async.cg.shared.global [")

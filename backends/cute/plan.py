@@ -436,6 +436,11 @@ class KernelPlan:
     # per batch from measurements; where the gain comes from is not known (the B = 1 profile
     # build showed no row family but the experts shorter).
     weight_evict_first: str = ""
+    # The KDA state's fp32 loads and stores (~24 MB read and 20 MB written a step at B = 1, ~200
+    # MB at B = 16) and the MLA PARTIAL's cache copies (4.7 MB a layer at B = 1, 75 MB at B = 16)
+    # under the same policy: read once a step, like the weights. Stop 26, off until timed.
+    kda_state_evict_first: bool = False
+    mla_cache_evict_first: bool = False
     # EXPERT_BF16 weight streaming: "regs" (16-byte register loads, UNROLL chunks in flight) or
     # "ring" (cp.async.bulk into a per-warp shared-memory ring, expert_ring; no registers hold the
     # bytes in flight). Slower so far: slice4-e128 B = 4 on the H200 5501 against 5200 us, the
