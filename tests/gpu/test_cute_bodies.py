@@ -36,7 +36,9 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     cut into tasks whose last 16-row unit has at most 8 live rows (6 GLU tasks of 21-22 rows,
     5 DOWN tasks of 51-52), where the MXFP4 tensor-core body runs the short last units as two K
     halves (expert_half_units, on by default), or "whole": that cut without it. 64 pairs over 8
-    experts at B = 16: experts chosen by more pairs than a group holds take several groups."""
+    experts at B = 16: experts chosen by more pairs than a group holds take several groups. With
+    tiles the expert weights load under the L2 evict_first policy, as the runner builds them
+    (KernelPlan.weight_evict_first); without, plainly."""
     from fusec.backends.cute.weight_tiles import mx_tile, tile
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -101,6 +103,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
                       expert_tiles=tiles, expert_mx_mma=tiles, expert_half_units=cut != "whole",
+                      weight_evict_first="experts" if tiles else "",    # the runner's default on tiles
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}"
                            f"{'_' + cut if isinstance(cut, str) else ''}")
     rt = Megakernel(plan)
@@ -132,7 +135,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     assert Opcode.ROUTER in plan.opcodes
 
 
-def test_kda_attn_res_append_match_registry():
+@pytest.mark.parametrize("state_ef", [False, True])   # KernelPlan.kda_state_evict_first
+def test_kda_attn_res_append_match_registry(state_ef):
     gen = torch.Generator(device="cuda").manual_seed(3)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     batch, heads, hd, hid = 2, 3, 64, 320
@@ -154,7 +158,7 @@ def test_kda_attn_res_append_match_registry():
     tasks += wl.attn_res_tasks(srcs, nw, pw, gam, h, y, 1e-5, 1e-6, 10, ptrs=ptrs)
     tasks.append(wl.ew_task(EwOp.APPEND, row, cache, 20, b=cache, c=pos))
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 8), num_events=1,
-                      batch=batch, threads=256, name="k3b_kda")
+                      batch=batch, threads=256, kda_state_evict_first=state_ef, name=f"k3b_kda{'_ef' * state_ef}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
@@ -230,9 +234,11 @@ def test_kda_family_over_batch_rows_matches_registry():
 # 40 chunks: more than a warp's lanes (the combine's weights per chunk); 200: more than one
 # round of mla_combine_weights_once's 4 chunks per lane. combine: the COMBINE's plan fields, "cta"
 # the default, "pairs" KernelPlan.mla_combine_pairs (its online weights meet empty chunks after
-# a full one at 40), "once" mla_combine_weights_once with 16 rows in flight per thread.
+# a full one at 40), "once" mla_combine_weights_once with 16 rows in flight per thread;
+# "cache_ef": the default combine, the partials' cache copies under mla_cache_evict_first.
 COMBINES = {"cta": {}, "pairs": {"mla_combine_pairs": True},
-            "once": {"mla_combine_weights_once": True, "mla_combine_unroll": 16}}
+            "once": {"mla_combine_weights_once": True, "mla_combine_unroll": 16},
+            "cache_ef": {"mla_cache_evict_first": True}}
 
 
 @pytest.mark.parametrize("combine", list(COMBINES))
