@@ -422,8 +422,8 @@ def test_expert_mx_unrolls_are_plan_fields(cutlass_available, tmp_path):
 
 def test_weight_evict_first_covers_the_expert_loads(cutlass_available, tmp_path):
     """KernelPlan.weight_evict_first: "experts" turns every 16-byte weight load of the bf16 and
-    MXFP4 expert tensor-core bodies into an ld.global with an L2 evict_first cache policy, ""
-    leaves the kernel without one; both compile for sm_90a and pass the PTX audit; other values are refused."""
+    MXFP4 expert tensor-core bodies into an ld.global with an L2 evict_first cache policy, "all"
+    the GEMV_BF16 bodies' too, "" leaves the kernel without one; all compile for sm_90a and pass the PTX audit; other values are refused."""
     from fusec.backends.cute.codegen import compile_plan
     from fusec.backends.cute.ptx_audit import audit_dir
 
@@ -442,6 +442,16 @@ def test_weight_evict_first_covers_the_expert_loads(cutlass_available, tmp_path)
         assert hinted > 0 and ptx["experts"].count("createpolicy.fractional.L2::evict_first") == hinted
         # (not one for one: LLVM merges some plain loads of the tail chunks that it keeps as asm)
         assert ptx["experts"].count("ld.global.v4") < ptx[""].count("ld.global.v4"), name
+    # "all": the GEMV_BF16 bodies too, the CUDA-core one (batch 1) and the tensor-core one
+    # (batch 4); "experts" leaves a kernel without expert rows plain.
+    for batch in (1, 4):
+        hints = {}
+        for mode in ("experts", "all"):
+            p = small_plan(batch=batch, weight_evict_first=mode)
+            _, _, dump = compile_plan(p, tmp_path / f"gemv{batch}{mode}", keep_ptx=True)
+            assert audit_dir(dump, expect_signals=True).ok, (batch, mode)
+            hints[mode] = next(dump.glob("*.ptx")).read_text().count("ld.global.L2::cache_hint.v4.b32")
+        assert hints["experts"] == 0 < hints["all"], (batch, hints)
 
 
 def test_state_and_cache_evict_first_fields(cutlass_available, tmp_path):

@@ -430,7 +430,7 @@ class KernelPlan:
     l2_ahead: int = 0
     # Streamed weight loads under an L2 evict_first policy (createpolicy + ld.global.L2::cache_hint),
     # stop 26: "experts" (EXPERT_BF16 / EXPERT_MXFP4 tensor-core bodies), "all" (and the
-    # tensor-core GEMV_BF16 bodies) or "" (plain loads). A step streams 11 GB through the 50 MB
+    # GEMV_BF16 bodies, tensor-core and CUDA-core) or "" (plain loads). A step streams 11 GB through the 50 MB
     # L2, so everything else (the kernel's 339 KB of code, the task table, activations, the
     # prefetched weights of the next rows) is evicted every ~12 us of streaming. lower.py picks it
     # per batch from measurements; where the gain comes from is not known (the B = 1 profile
