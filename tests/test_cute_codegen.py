@@ -475,3 +475,24 @@ def test_state_and_cache_evict_first_fields(cutlass_available, tmp_path):
     plain = ptx["on"].count("cp.async.cg.shared.global [")
     assert hinted > 0 and plain > 0      # the cache's copies hinted, the queries' not
     assert hinted + plain == ptx["off"].count("cp.async.cg.shared.global [")
+
+
+def test_ew_unroll_is_a_plan_field(cutlass_available, tmp_path):
+    """KernelPlan.ew_unroll (8 by default): the EW body's elements in flight per thread, every
+    loop over them unrolled, so it sets the size of every EW instance's code. 2 and 4 compile for
+    sm_90a, pass the PTX audit and emit fewer instructions; other values are refused."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+
+    base = KernelPlan(tasks=(TaskRow(Opcode.NOP, 0),), queues=((0,),), num_events=1, batch=1,
+                      extra_opcodes=(Opcode.EW,), name="ew_unroll")
+    assert base.ew_unroll == 8
+    for bad in (1, 3, 16):
+        with pytest.raises(ValueError, match="ew_unroll"):
+            dataclasses.replace(base, ew_unroll=bad)
+    lines = {}
+    for u in (8, 4, 2):
+        _, _, dump = compile_plan(dataclasses.replace(base, ew_unroll=u), tmp_path / f"u{u}", keep_ptx=True)
+        assert audit_dir(dump, expect_signals=False).ok, u
+        lines[u] = len(next(dump.glob("*.ptx")).read_text().splitlines())
+    assert lines[8] > lines[4] > lines[2], lines

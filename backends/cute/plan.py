@@ -514,6 +514,12 @@ class KernelPlan:
     # B = 1 the combine merges 128 chunks, 16 waited-for L2 round trips at 8 (~12 us of the
     # step's critical path, stop 26's profile); stop 26, off until timed.
     mla_combine_unroll: int = 8
+    # EW body: elements (loads) in flight per thread, every loop over them unrolled. 8 by default.
+    # A probe of stop 26's question: at B = 1 the EW rows on the critical path run 1.6-7 us for
+    # a few thousand elements and their length follows the size of their math's code (SiTU-GLU
+    # 6.9 us for 1988 columns, ADD 1.6 us for 56), as if fetching cold code cost more than the
+    # loads; 4 or 2 halves or quarters every EW instance's code. Off (8) until timed.
+    ew_unroll: int = 8
     # MLA COMBINE (the CTA per item): warp 0 reads the chunks' (m, l) once, 4 chunks per lane in
     # flight, where the loop before read m, then m and l again, one chunk per lane at a time (8
     # waited-for round trips at 128 chunks); the same bits. Stop 26, off until timed.
@@ -537,6 +543,8 @@ class KernelPlan:
             raise ValueError(f"mma_tiles_per_unit {self.mma_tiles_per_unit} must be 1, 2 or 4")
         if not 1 <= self.mla_combine_unroll <= (16 if self.mla_combine_pairs else 32):
             raise ValueError(f"mla_combine_unroll {self.mla_combine_unroll} must be 1..32 (1..16 with mla_combine_pairs)")
+        if self.ew_unroll not in (2, 4, 8):
+            raise ValueError(f"ew_unroll {self.ew_unroll} must be 2, 4 or 8")
         if self.weight_evict_first not in ("", "experts", "all"):
             raise ValueError(f"weight_evict_first {self.weight_evict_first!r} must be '', 'experts' or 'all'")
         if not 1 <= self.mla_head_tiles <= 4:
