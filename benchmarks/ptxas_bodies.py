@@ -7,7 +7,9 @@ The megakernel is one function, so ptxas reports one register count and one spil
 all of its bodies together. This script compiles the whole kernel and then, for each opcode
 the table uses, a kernel holding only that opcode's rows (the same plan fields, so the same
 compile-time constants), and runs `ptxas -v` on each PTX: which body needs the registers, and
-which one spills at the 512-thread cap of 128. The plan is the one CuteRunner builds (the
+which one spills at the 512-thread cap of 128; and each kernel's machine code in KB (a body
+alone: its kernel's code less the few KB of the dispatch loop; stop 26 found the EW body ~180 KB
+of the K3 kernel's ~340, code fetched cold whenever a CTA runs a body it has not run lately). The plan is the one CuteRunner builds (the
 default weight tiles, weight_tiles.tile_options) with --variant's fields. Needs ptxas (CUDA toolkit) on PATH or in
 /usr/local/cuda*/bin; no GPU.
 """
@@ -25,7 +27,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from fusec.backends.cute.codegen import compile_plan  # noqa: E402
 from fusec.backends.cute.plan import Opcode  # noqa: E402
-from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources  # noqa: E402
+from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_code_bytes, ptxas_resources  # noqa: E402
 from fusec.backends.cute.weight_tiles import tile_options  # noqa: E402
 from fusec.compiler import lower_for_cute  # noqa: E402
 from fusec.models import kimi_k3  # noqa: E402
@@ -34,10 +36,11 @@ from _plan_args import plan_config_args, plan_fields  # noqa: E402  (benchmarks/
 
 
 def resources(plan) -> str:
-    """ptxas -v of the plan's kernel, compiled on the CPU."""
+    """ptxas -v of the plan's kernel, compiled on the CPU, and its machine code's size."""
     with tempfile.TemporaryDirectory() as d:
         _, _, dump = compile_plan(plan, d, keep_ptx=True)
-        return str(ptxas_resources(sorted(glob.glob(str(dump / "*.ptx")))[0]))
+        ptx = sorted(glob.glob(str(dump / "*.ptx")))[0]
+        return f"{ptxas_resources(ptx)}, code {ptxas_code_bytes(ptx) / 1024:.0f} KB"
 
 
 def main() -> int:

@@ -496,3 +496,30 @@ def test_ew_unroll_is_a_plan_field(cutlass_available, tmp_path):
         assert audit_dir(dump, expect_signals=False).ok, u
         lines[u] = len(next(dump.glob("*.ptx")).read_text().splitlines())
     assert lines[8] > lines[4] > lines[2], lines
+
+
+def test_text_bytes_reads_the_cubin_sections():
+    """ptxas_resources.text_bytes sums the .text sections of an ELF64 file: a hand-built one
+    with a .text.k of 96 bytes and a .nv.info of 40 (not code)."""
+    import struct
+
+    from fusec.backends.cute.ptxas_resources import text_bytes
+
+    names = b"\0.shstrtab\0.text.k\0.nv.info\0"
+    body = names + bytes(96 + 40)
+    shoff = 64 + len(body)
+    hdr = bytearray(64)
+    hdr[:5] = b"\x7fELF\x02"
+    struct.pack_into("<Q", hdr, 0x28, shoff)
+    struct.pack_into("<HHH", hdr, 0x3a, 64, 4, 1)
+
+    def sh(name, off, size):
+        e = bytearray(64)
+        struct.pack_into("<I", e, 0, name)
+        struct.pack_into("<QQ", e, 0x18, off, size)
+        return bytes(e)
+    elf = bytes(hdr) + body + sh(0, 0, 0) + sh(1, 64, len(names)) + sh(11, 64 + len(names), 96) \
+        + sh(19, 64 + len(names) + 96, 40)
+    assert text_bytes(elf) == 96
+    with pytest.raises(ValueError, match="ELF64"):
+        text_bytes(b"not an elf")
