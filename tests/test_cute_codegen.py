@@ -523,3 +523,27 @@ def test_text_bytes_reads_the_cubin_sections():
     assert text_bytes(elf) == 96
     with pytest.raises(ValueError, match="ELF64"):
         text_bytes(b"not an elf")
+
+
+def test_ew_fast_div_magic_is_exact():
+    """The EW body's magic division (ew_fast_div, `_div_magic` in ew.py.j2): l = 32 - clz(d - 1),
+    s = 32 + l, m = ceil(2^s / d) gives (i * m) >> s == i // d for every index below 2^30 (the
+    plan's bound), here for divisors 1..5000, K3's EW widths and powers of two around them, at
+    the indices where a quotient steps and at the bound; the product stays below 2^63."""
+    def magic(d):
+        clz = 32 - (d - 1).bit_length()           # clz.b32 of d - 1
+        sh = 64 - clz
+        return ((1 << sh) + d - 1) // d, sh
+
+    divisors = list(range(1, 5001)) + [7168, 12288, 3584, 1988, 163840, 33792, (1 << 20) + 1, (1 << 29) - 3]
+    for d in divisors:
+        m, sh = magic(d)
+        top = (1 << 30) - 1
+        for i in {0, d - 1, d, 2 * d - 1, 2 * d, top, top - top % d, top - top % d - 1, 12345 % top}:
+            if 0 <= i <= top:
+                assert (i * m) >> sh == i // d, (d, i)
+                assert i * m < 1 << 63
+    from fusec.backends.cute.plan import KernelPlan
+    with pytest.raises(ValueError, match="ew_fast_div"):
+        KernelPlan(tasks=(TaskRow(Opcode.EW, 0, n1=1 << 27),), queues=((0,),), num_events=1, batch=16,
+                   ew_fast_div=True)

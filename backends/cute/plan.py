@@ -520,6 +520,10 @@ class KernelPlan:
     # 6.9 us for 1988 columns, ADD 1.6 us for 56), as if fetching cold code cost more than the
     # loads; 4 or 2 halves or quarters every EW instance's code. Off (8) until timed.
     ew_unroll: int = 8
+    # EW body: an element index's (batch row, column) by a per-row magic multiply and shift
+    # instead of an integer division per element (the same values). Stop 26, off until timed:
+    # part of the code-size probe (the EW body is 182 of the K3 kernel's 336 KB at B = 1).
+    ew_fast_div: bool = False
     # MLA COMBINE (the CTA per item): warp 0 reads the chunks' (m, l) once, 4 chunks per lane in
     # flight, where the loop before read m, then m and l again, one chunk per lane at a time (8
     # waited-for round trips at 128 chunks); the same bits. Stop 26, off until timed.
@@ -543,6 +547,10 @@ class KernelPlan:
             raise ValueError(f"mma_tiles_per_unit {self.mma_tiles_per_unit} must be 1, 2 or 4")
         if not 1 <= self.mla_combine_unroll <= (16 if self.mla_combine_pairs else 32):
             raise ValueError(f"mla_combine_unroll {self.mla_combine_unroll} must be 1..32 (1..16 with mla_combine_pairs)")
+        if self.ew_fast_div:
+            big = [t.task_id for t in self.tasks if t.opcode == Opcode.EW and self.batch * max(t.n1 - t.n0, 1) >= 1 << 30]
+            if big:
+                raise ValueError(f"ew_fast_div: EW rows of tasks {big[:4]} have 2^30 elements or more")
         if self.ew_unroll not in (2, 4, 8):
             raise ValueError(f"ew_unroll {self.ew_unroll} must be 2, 4 or 8")
         if self.weight_evict_first not in ("", "experts", "all"):

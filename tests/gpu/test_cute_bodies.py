@@ -170,8 +170,10 @@ def test_kda_attn_res_append_match_registry(state_ef):
     assert torch.equal(cache, ref("cache_append", (cache0, row, pos))[0])
 
 
-@pytest.mark.parametrize("ew_unroll", [8, 2])   # KernelPlan.ew_unroll (8: the default)
-def test_kda_family_over_batch_rows_matches_registry(ew_unroll):
+# KernelPlan.ew_unroll (8: the default) and ew_fast_div (the rows' element indices divided by a
+# magic multiply: the batch-row ranges here exercise it)
+@pytest.mark.parametrize("ew_unroll,fast_div", [(8, False), (2, False), (8, True)])
+def test_kda_family_over_batch_rows_matches_registry(ew_unroll, fast_div):
     """A KDA family cut over (head, batch rows), as the tile pass cuts it at batch > 1
     (OpDef.split_rows): per task, on one CTA, one KDA row per batch row of its range (item
     b * H + h), then the gated norm of that head over those rows only (EW GATED_RMS, batch rows
@@ -210,7 +212,7 @@ def test_kda_family_over_batch_rows_matches_registry(ew_unroll):
               wl.ew_task(EwOp.RMS, xl[:, 1:], rms_u[:, 1:], 202, c=gl[1:], head_dim=3583, eps=1e-6, rows=(0, 2))]
     queues += [(len(tasks) - 3,), (len(tasks) - 2,), (len(tasks) - 1,)]
     plan = KernelPlan(tasks=tuple(tasks), queues=tuple(queues), num_events=1, batch=batch, threads=256,
-                      ew_unroll=ew_unroll, name=f"k3b_kda_rows_ew{ew_unroll}")
+                      ew_unroll=ew_unroll, ew_fast_div=fast_div, name=f"k3b_kda_rows_ew{ew_unroll}{'f' * fast_div}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
