@@ -117,6 +117,24 @@ def test_audit_counts_async_copies_from_global_as_data_loads():
     assert not any(v.startswith("P1") for v in audit_ptx(prefetch).violations)
 
 
+def test_audit_sees_cache_hinted_accesses():
+    """The evict_first forms (plan.weight_evict_first, kda_state_evict_first,
+    mla_cache_evict_first) are data loads, copies and stores to the audit like the plain ones: a
+    hinted load or cp.async after an unfenced relaxed spin is a P1 violation, and a hinted
+    store between a fence and a plain signal makes that signal a P2 violation."""
+    load = " ld.global.v4.b32 {%r2, %r3, %r4, %r5}, [%rd2];"
+    relaxed = SYNTH_OK.replace("ld.acquire.gpu.global.b32", "ld.relaxed.gpu.global.b32")
+    for hinted, what in ((" ld.global.L2::cache_hint.v4.b32 {%r2, %r3, %r4, %r5}, [%rd2], %rd9;", "data load"),
+                         (" cp.async.cg.shared.global.L2::cache_hint [%r7], [%rd2], 16, %r6, %rd9;",
+                          "asynchronous copy")):
+        assert audit_ptx(SYNTH_OK.replace(load, hinted)).ok
+        assert any(v.startswith("P1") and what in v for v in audit_ptx(relaxed.replace(load, hinted)).violations)
+    signal = SYNTH_OK.replace("atom.global.release.add", "atom.global.add").replace(
+        " atom.global.add", " fence.acq_rel.gpu;\n st.global.L2::cache_hint.f32 [%rd3], %f1, %rd9;\n atom.global.add")
+    assert "st.global.L2::cache_hint" in signal
+    assert any(v.startswith("P2") for v in audit_ptx(signal).violations)
+
+
 @pytest.fixture(scope="module")
 def cutlass_available():
     pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl==4.8.1 not installed")
