@@ -565,3 +565,20 @@ def test_ew_fast_div_magic_is_exact():
     with pytest.raises(ValueError, match="ew_fast_div"):
         KernelPlan(tasks=(TaskRow(Opcode.EW, 0, n1=1 << 27),), queues=((0,),), num_events=1, batch=16,
                    ew_fast_div=True)
+
+
+def test_lean_dispatch_compiles_and_passes_the_audit(cutlass_available, tmp_path):
+    """KernelPlan.lean_dispatch: the dispatch loop reads the error flag once per launch and while
+    spinning, and prefetches the next rows' table lines into L2 (prefetch.global.L2); it
+    compiles for sm_90a and passes the PTX audit (every spin load still an acquire, every
+    signal a release), and the default kernel has no such prefetch. (That a missing signal is
+    still a bounded error and a launch after it runs nothing: tests/gpu/test_cute_gemv.py.)"""
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    ptx = {}
+    for lean in (False, True):
+        rep = audit_plan(small_plan(lean_dispatch=lean), tmp_path / str(lean))
+        assert rep.ok, (lean, rep.violations)
+        assert rep.acquire_loads > 0 and rep.release_signals > 0
+        ptx[lean] = next((tmp_path / str(lean)).rglob("*.ptx")).read_text()
+    assert "prefetch.global.L2 " in ptx[True] and "prefetch.global.L2 " not in ptx[False]

@@ -524,6 +524,14 @@ class KernelPlan:
     # instead of an integer division per element (the same values). Stop 26, off until timed:
     # part of the code-size probe (the EW body is 182 of the K3 kernel's 336 KB at B = 1).
     ew_fast_div: bool = False
+    # The dispatch loop between rows (stop 26, off until timed): the B = 1 profile, its rows
+    # matched to their events, has every wait 1.28 us (median) from its event's release (or from
+    # the wait's start when already released) to the body, ~170 us of the 3065-us critical path
+    # over its 113 rows. Per row thread 0 reads the row's table line (from HBM: read once a step),
+    # the next row's PF words, polls the event and then the error flag (two acquire round
+    # trips). lean_dispatch: the error flag once per launch and while spinning only, and the next
+    # rows' table lines prefetched into L2 during the current row.
+    lean_dispatch: bool = False
     # MLA COMBINE (the CTA per item): warp 0 reads the chunks' (m, l) once, 4 chunks per lane in
     # flight, where the loop before read m, then m and l again, one chunk per lane at a time (8
     # waited-for round trips at 128 chunks); the same bits. Stop 26, off until timed.

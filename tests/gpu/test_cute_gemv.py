@@ -21,8 +21,10 @@ def _rand(*shape, scale=1.0):
     return (torch.randn(*shape, device="cuda") * scale).to(BF)
 
 
-@pytest.mark.parametrize("batch", [1, 4, 16])
-def test_gemv_bodies_and_chain(batch):
+@pytest.mark.parametrize("batch,lean", [(1, False), (4, False), (16, False), (1, True), (16, True)])
+def test_gemv_bodies_and_chain(batch, lean):
+    """(lean: KernelPlan.lean_dispatch, the dispatch loop without the per-row error-flag read and
+    with the next rows' table lines prefetched.)"""
     w, x, y = _rand(300, 1280, scale=0.05), _rand(batch, 1280), torch.empty(batch, 304, device="cuda", dtype=BF)
     wq, sc = wl.random_mxfp4(200, 1024, "cuda")
     x2, y2 = _rand(batch, 1024), torch.empty(batch, 200, device="cuda", dtype=BF)
@@ -36,7 +38,8 @@ def test_gemv_bodies_and_chain(batch):
     tasks.append(wl.rmsnorm_task(h, gamma, hn, 1e-6, 300, wait=(0, 8, 0), signal=1))
     tasks += wl.gemv_tasks(wc, hn, yc, 6, 400, wait=(1, 1, 0))
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=2,
-                      batch=batch, threads=256, rows_per_warp=2, name=f"t_b{batch}")
+                      batch=batch, threads=256, rows_per_warp=2, lean_dispatch=lean,
+                      name=f"t_b{batch}{'_lean' * lean}")
     rt = Megakernel(plan)
     for step in (1, 2):
         x.copy_(_rand(batch, 1280))
@@ -54,16 +57,22 @@ def test_gemv_bodies_and_chain(batch):
         assert rt.events.tolist() == [8 * step, step]
 
 
-def test_missing_signal_raises():
+@pytest.mark.parametrize("lean", [False, True])   # KernelPlan.lean_dispatch
+def test_missing_signal_raises(lean):
     x, w = _rand(1, 256), _rand(8, 256)
     y = torch.empty(1, 8, device="cuda", dtype=BF)
     tasks = wl.gemv_tasks(w, x, y, 1, 7, wait=(1, 1, 0))
     plan = KernelPlan(tasks=tuple(tasks), queues=((0,), ()), num_events=2, threads=128,
-                      spin_timeout_ns=50_000_000, name="t_dead")
+                      spin_timeout_ns=50_000_000, lean_dispatch=lean, name=f"t_dead{'_lean' * lean}")
     rt = Megakernel(plan)
     rt.step()
     with pytest.raises(MegakernelTimeout, match="task 7 .* event 1 for counter >= 1 but saw 0"):
         rt.check()
+    # A launch after the unreset error runs nothing.
+    y.fill_(7.0)
+    rt.step()
+    torch.cuda.synchronize()
+    assert (y == 7.0).all()
 
 
 def test_graph_replay_advances_steps():
