@@ -569,7 +569,8 @@ def test_ew_fast_div_magic_is_exact():
 
 def test_lean_dispatch_compiles_and_passes_the_audit(cutlass_available, tmp_path):
     """KernelPlan.lean_dispatch: the dispatch loop reads the error flag once per launch and while
-    spinning, and prefetches the next rows' table lines into L2 (prefetch.global.L2); it
+    spinning, copies the next row's header words into shared memory while a row runs and
+    prefetches the rows after it into L2 (prefetch.global.L2); it
     compiles for sm_90a and passes the PTX audit (every spin load still an acquire, every
     signal a release), and the default kernel has no such prefetch. (That a missing signal is
     still a bounded error and a launch after it runs nothing: tests/gpu/test_cute_gemv.py.)"""
@@ -582,3 +583,5 @@ def test_lean_dispatch_compiles_and_passes_the_audit(cutlass_available, tmp_path
         assert rep.acquire_loads > 0 and rep.release_signals > 0
         ptx[lean] = next((tmp_path / str(lean)).rglob("*.ptx")).read_text()
     assert "prefetch.global.L2 " in ptx[True] and "prefetch.global.L2 " not in ptx[False]
+    # the next row's header words by cp.async into shared memory (the first row's before the loop)
+    assert ptx[True].count("cp.async.ca.shared.global") == 2 * 6 and "cp.async.ca" not in ptx[False]

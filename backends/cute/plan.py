@@ -529,8 +529,9 @@ class KernelPlan:
     # the wait's start when already released) to the body, ~170 us of the 3065-us critical path
     # over its 113 rows. Per row thread 0 reads the row's table line (from HBM: read once a step),
     # the next row's PF words, polls the event and then the error flag (two acquire round
-    # trips). lean_dispatch: the error flag once per launch and while spinning only, and the next
-    # rows' table lines prefetched into L2 during the current row.
+    # trips). lean_dispatch: the error flag once per launch and while spinning only; the next
+    # row's header words (OPCODE .. SIGNAL_EVENT) copied into shared memory by cp.async while the
+    # current row runs, and the lines of the rows after it prefetched into L2.
     lean_dispatch: bool = False
     # MLA COMBINE (the CTA per item): warp 0 reads the chunks' (m, l) once, 4 chunks per lane in
     # flight, where the loop before read m, then m and l again, one chunk per lane at a time (8
