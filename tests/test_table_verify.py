@@ -142,6 +142,11 @@ def test_planted_table_bugs_are_rejected(request, name):
         i = _first(rows, lambda r: r.opcode == Opcode.GEMV_BF16)
         rows[i] = dataclasses.replace(rows[i], pf_addr=rows[i].a1, pf_bytes=64)
 
+    def prefetch_next_tile(rows):   # PF_BYTES within the tile, but PF_ADDR one row into it: the
+        # tile from PF_ADDR (what KernelPlan.gemv_pf="stripe" may touch) ends in the next tile
+        i = _first(rows, lambda r: r.opcode == Opcode.GEMV_BF16 and r.pf_bytes and r.n1 - r.n0 > 1)
+        rows[i] = dataclasses.replace(rows[i], pf_addr=rows[i].pf_addr + rows[i].k * 2, pf_bytes=64)
+
     def narrow_columns(rows):
         i = _first(rows, lambda r: r.opcode == Opcode.EW and r.n1 - r.n0 > 1 and r.sub == EwOp.ADD)
         rows[i] = dataclasses.replace(rows[i], n1=rows[i].n1 - 1)
@@ -163,7 +168,7 @@ def test_planted_table_bugs_are_rejected(request, name):
         rows[i] = dataclasses.replace(rows[i], n0=rows[i].n0 + rows[i].p0, n1=rows[i].n1 + rows[i].p0)
 
     expect = {drop_wait: "T2", low_threshold: "T2", early_signal: "T3", swap_signals: "T3",
-              shift_weight: "T5", shift_output: "T4", shift_input: "T5", prefetch_activation: "T6",
+              shift_weight: "T5", shift_output: "T4", shift_input: "T5", prefetch_activation: "T6", prefetch_next_tile: "T6",
               narrow_columns: "T4", other_task: "T1"}
     if name == "lla":
         expect[wait_moved_late] = "T2"

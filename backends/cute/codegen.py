@@ -23,7 +23,7 @@ from fusec.passes.target import GPUS
 from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ATTN_RES_VECS, ERR_WORDS, MLA_MAX_CHUNKS,
                    MLA_MAX_LORA, MLA_MAX_ROPE, MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS,
                    PF_LOOKAHEAD, ROUTER_MAX_TOPK, ROW_WORDS, ROW_WORDS_RANKS, CommOp, ErrWord, EwOp, ExpertMode,
-                   F32Flag, KernelPlan, RankWord, ScopeCode, Word)
+                   F32Flag, KernelPlan, Opcode, RankWord, ScopeCode, Word)
 from .weight_tiles import MX_DECODE_PTX, MX_FACTOR
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
@@ -49,6 +49,7 @@ def render(plan: KernelPlan) -> str:
         scope_sys=int(ScopeCode.SYS),
         comm_ops=list(CommOp),
         pf_lookahead=PF_LOOKAHEAD,
+        op_gemv_bf16=int(Opcode.GEMV_BF16),
         err_words=ERR_WORDS,
         ew_ops=list(EwOp),
         expert_modes=list(ExpertMode),

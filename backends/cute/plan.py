@@ -531,8 +531,24 @@ class KernelPlan:
     # the next row's PF words, polls the event and then the error flag (two acquire round
     # trips). lean_dispatch: the error flag once per launch and while spinning only; the next
     # row's header words (OPCODE .. SIGNAL_EVENT) copied into shared memory by cp.async while the
-    # current row runs, and the lines of the rows after it prefetched into L2.
-    lean_dispatch: bool = False
+    # current row runs, and the lines of the rows after it prefetched into L2. Stop 27, on at
+    # every batch: slice4-e128 3043 -> 2987 us at B = 1 (-1.9%, control +0.0%); off measured
+    # +2.0% at B = 1, +0.4% at 4 (control +0.1%), +0.1% at 16 (control -0.2%)
+    # (docs/results/plan_variants_h200_slice4-e128_*_stop27.log).
+    lean_dispatch: bool = True
+    # What a waiting CTA prefetches of a GEMV row's tile (stop 27, off until timed). The B = 1
+    # profile has no CTA streaming weights for 363 of the step's 3065 us (33 gaps of 1-57 us:
+    # ATTN_RES, KDA, router, MLA, the norms), and the PF words' 64 KiB prefix of a tile is the
+    # first 4.5 weight rows of a 7168-wide GEMV: 5 of the CUDA-core body's 32 first rows, so the
+    # other warps start from HBM and the tile ends no sooner (stop 14: caps of 128-512 KiB did
+    # not help). "stripe": the budget split over the rows the body reads first (the CUDA-core
+    # body only; the tensor-core bodies keep the prefix). Measured at B = 1 (stop 27): +0.7%,
+    # with pf_budget_kb 128 / 256 +0.9 / +1.4% (control +0.0%): prefetching more in the gaps
+    # slows the step, so both stay off; why is not known (the gaps' own loads queue behind it?).
+    gemv_pf: str = "prefix"
+    # Bytes per row a waiting CTA prefetches, in KiB (0: the row's PF_BYTES, 64 KiB by the
+    # lowering); never more than the row's tile.
+    pf_budget_kb: int = 0
     # MLA COMBINE (the CTA per item): warp 0 reads the chunks' (m, l) once, 4 chunks per lane in
     # flight, where the loop before read m, then m and l again, one chunk per lane at a time (8
     # waited-for round trips at 128 chunks); the same bits. Stop 26, off until timed.
@@ -546,6 +562,8 @@ class KernelPlan:
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= 16:
             raise ValueError(f"batch {self.batch} not in 1..16")
+        if self.gemv_pf not in ("prefix", "stripe") or not 0 <= self.pf_budget_kb <= 4096:
+            raise ValueError(f"gemv_pf {self.gemv_pf!r} must be 'prefix' or 'stripe', pf_budget_kb 0..4096")
         if self.gemv not in ("auto", "mma", "simt"):
             raise ValueError(f"gemv {self.gemv!r} must be 'auto', 'mma' or 'simt'")
         if self.gemv == "mma" and not self._mma_fits():

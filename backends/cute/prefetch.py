@@ -9,8 +9,8 @@ those decisions: a GEMV row whose weight its task loads before its waits names t
 `PREFETCH_BYTES` of its weight tile in the PF_ADDR / PF_BYTES words, and the kernel issues
 `cp.async.bulk.prefetch.L2` for them, which moves nothing into registers, only into L2.
 
-`check_prefetch` is the rule's proof on the lowered rows: every range lies inside one region of
-kind `weight`. It runs on every lowering, so a range naming an activation, a cache or scratch
+`check_prefetch` is the rule's proof on the lowered rows: every range the kernel may touch (the
+row's whole tile from PF_ADDR: `prefetch_hull`) lies inside one region of kind `weight`. It runs on every lowering, so a range naming an activation, a cache or scratch
 is rejected before a kernel exists.
 """
 from __future__ import annotations
@@ -39,6 +39,15 @@ def weight_row_bytes(row: TaskRow) -> int:
     if row.opcode == Opcode.GEMV_MXFP4:
         return row.k // 2
     return 0
+
+
+def prefetch_hull(opcode: int, k: int, n0: int, n1: int, pf_bytes: int) -> int:
+    """Bytes from PF_ADDR a row's prefetch may touch: its whole tile, (n1 - n0) weight rows
+    (the kernel spends its budget as a prefix or as stripes over the first rows,
+    KernelPlan.gemv_pf / pf_budget_kb, never past the tile), or PF_BYTES if that is longer.
+    0 for a row that streams no weight rows (no prefetch allowed)."""
+    wb = weight_row_bytes(TaskRow(Opcode(opcode), 0, k=k))
+    return max((n1 - n0) * wb, pf_bytes) if wb else 0
 
 
 def _region_at(mem: MemoryPlan, offset: int):
@@ -70,10 +79,11 @@ def check_prefetch(rows, mem: MemoryPlan) -> None:
     for r in rows:
         if not r.pf_bytes:
             continue
+        hull = prefetch_hull(r.opcode, r.k, r.n0, r.n1, r.pf_bytes)
         g = _region_at(mem, r.pf_addr)
-        if g is None or r.pf_addr + r.pf_bytes > g.offset + g.nbytes:
-            raise PrefetchError(f"task {r.task_id}: prefetch range at arena offset {r.pf_addr} "
-                                f"({r.pf_bytes} bytes) is not inside one region")
-        if g.kind is not Kind.weight:
+        if g is not None and g.kind is not Kind.weight:
             raise PrefetchError(f"task {r.task_id}: prefetch of '{g.name}' ({g.kind.value}) across a wait: "
                                 "only static weights may be prefetched")
+        if not hull or g is None or r.pf_addr + hull > g.offset + g.nbytes:
+            raise PrefetchError(f"task {r.task_id}: prefetch range at arena offset {r.pf_addr} "
+                                f"({hull} bytes: the row's tile) is not inside one region")

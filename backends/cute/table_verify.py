@@ -30,8 +30,9 @@ T4  every byte a row writes lies in its task's STOREs, or is private to the task
 T5  every byte a row reads lies in its task's LOADs, or was written by an earlier row of the same
     task, or is a lowering constant (a weight-kind region that is no graph value: RoPE tables,
     transposed MLA weights, ATTN_RES source tables).
-T6  a prefetch range lies in one static weight (a weight-kind region no row writes) and inside
-    its task's LOADs of that weight.
+T6  a prefetch range (the row's whole tile from PF_ADDR: what the kernel may touch, prefix or
+    stripes) lies in one static weight (a weight-kind region no row writes) and inside its
+    task's LOADs of that weight; only GEMV rows prefetch.
 T7  (multi-rank tables, one rank's table against the replicated schedule: peers by offset) a
     task's rows wait at system scope exactly where its WAITs are at system scope, signal with
     the SIGNALs' scopes and peer offsets (SIGNAL_PEER), and write into each peer's arena
@@ -64,6 +65,7 @@ from .byte_sets import (INTER, MINUS, UNION, ByteSpace, Operand, bands_op, count
                         merged, set_op, union_all)
 from .memory import MemoryPlan, itemsize
 from .plan import NO_EVENT, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, RankWord, ScopeCode, Word
+from .prefetch import prefetch_hull
 
 
 class TableVerifyError(ValueError):
@@ -647,10 +649,13 @@ def _verify(schedule: Schedule, mem: MemoryPlan, words, bounds, batch: int, cons
                 continue
             if written_anywhere is None:
                 written_anywhere = union_all([o.bytes for r2 in ops for o, _ in ops[r2][1]])
+            # What the kernel may touch: the row's tile from PF_ADDR (prefix or stripes of it,
+            # KernelPlan.gemv_pf), not only PF_BYTES
+            nb = prefetch_hull(w[Word.OPCODE], w[Word.K], w[Word.N0], w[Word.N1], nb)
             a0 = w[Word.PF_ADDR] - base
-            iv = arena.bytes_of([(a0, a0 + nb)])
+            iv = arena.bytes_of([(a0, a0 + max(nb, 16))])
             reg = arena.region_at(a0)
-            if reg is None or a0 + nb > reg.offset + reg.nbytes or reg.kind is not Kind.weight \
+            if not nb or reg is None or a0 + nb > reg.offset + reg.nbytes or reg.kind is not Kind.weight \
                     or meets(iv, written_anywhere):
                 what = "no region" if reg is None else f"'{reg.name}' ({reg.kind.value})"
                 out.append(TableViolation("T6", t.id, f"prefetches {nb} bytes at arena offset {a0} in {what}: only "
