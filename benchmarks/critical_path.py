@@ -17,6 +17,12 @@ unrelated row ends later is misattributed: at B = 1 it wandered through 386 NOP 
 that did not wait moves to the previous row of its own CTA. Body time is summed per
 (opcode / sub / K) along the way and printed largest first. Either way the rows of the
 non-streaming opcodes on the path are listed by the IR ops of their task when --config is given.
+
+    python benchmarks/critical_path.py profile_slice4-e128_b1.pt --gaps
+
+prints instead how long n CTAs were inside a weight-streaming body, by bands of n, and every
+stretch of the step with none (with the rows that ran then): stop 27's count of B = 1's serial
+time.
 """
 from __future__ import annotations
 
@@ -135,6 +141,39 @@ def walk_events(path: str, tasks, names):
     return body, hops, hop_us, gap_us, span, by_ops, medians
 
 
+def streaming_gaps(path: str, min_gap_us: float = 0.5):
+    """How much of the step the weight streams use (stop 27's question): ([(lo, hi, us)] time
+    with lo..hi CTAs inside a streaming body, over the bands below, and [(start us, length us,
+    {opcode/sub: rows running})] for every stretch of at least `min_gap_us` with none inside
+    one). At B = 1 every family streams at ~4.6 TB/s while all CTAs stream, so the step's
+    distance from the roofline is these stretches."""
+    d = torch.load(path)
+    prof, rows, ncta = d["prof"], d["rows"], len(set(d["cta"].tolist()))
+    t0 = int(prof[:, 0][prof[:, 0] > 0].min())
+    ws, bs, be = (((prof[:, c] - t0) / 1e3).tolist() for c in range(3))
+    span = max(be)
+    name = lambda i: Opcode(int(rows[i, 1])).name  # noqa: E731
+    edges = sorted(e for i in range(len(bs)) if name(i) in STREAMING and be[i] > bs[i]
+                   for e in ((bs[i], 1), (be[i], -1)))
+    occupancy = collections.defaultdict(float)
+    gaps, cur, last = [], 0, 0.0
+    for t, step in edges + [(span, 0)]:
+        occupancy[cur] += t - last
+        if cur == 0 and t - last >= min_gap_us:
+            gaps.append((last, t))
+        cur, last = cur + step, t
+    hi = max(ncta, max(occupancy))
+    bands = [(0, 0), (1, hi // 8), (hi // 8 + 1, hi // 2), (hi // 2 + 1, hi * 5 // 6),
+             (hi * 5 // 6 + 1, hi * 19 // 20), (hi * 19 // 20 + 1, hi)]
+    hist = [(lo, h, sum(v for k, v in occupancy.items() if lo <= k <= h)) for lo, h in bands]
+    listed = []
+    for a, b in gaps:
+        running = collections.Counter(f"{name(i)}/{int(rows[i, 2])}" for i in range(len(bs))
+                                      if bs[i] < b and be[i] > a and name(i) != "NOP")
+        listed.append((a, b - a, dict(running)))
+    return hist, listed
+
+
 def task_ops(config: str, batch: int, max_len: int) -> dict[int, str]:
     """Task id -> its IR ops ('+'-joined) in the K3 config's schedule at this batch (CPU build)."""
     import os
@@ -163,7 +202,19 @@ def main() -> None:
     ap.add_argument("--config", help="the profiled K3 config (e.g. slice4-e128): name the rows' IR ops")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--gaps", action="store_true", help="print how many CTAs stream weights over the step and "
+                    "every stretch with none (streaming_gaps) instead of the walk")
     args = ap.parse_args()
+    if args.gaps:
+        hist, gaps = streaming_gaps(args.profile)
+        print(f"{args.profile}: time with n CTAs inside a weight-streaming body "
+              f"({', '.join(STREAMING)}):")
+        for lo, hi, us in hist:
+            print(f"  {lo:4d}-{hi:4d} CTAs  {us:8.1f} us")
+        print(f"  {len(gaps)} stretches with none, {sum(g[1] for g in gaps):.1f} us; start us, length us, rows running:")
+        for a, n, running in gaps:
+            print(f"    {a:8.1f} {n:6.1f}  {running}")
+        return
     names = task_ops(args.config, args.batch, args.max_len) if args.config else None
     if args.config:
         tasks = table_rows(args.config, args.batch, args.max_len)

@@ -51,3 +51,21 @@ def test_walk_refuses_another_tables_profile(tmp_path):
     other = [TaskRow(Opcode.GEMV_BF16, 0, signal_event=0), TaskRow(Opcode.ARGMAX, 1, wait_event=0, wait_per_step=1)]
     with pytest.raises(SystemExit, match="does not match"):
         critical_path.walk_events(path, other, None)
+
+
+def test_streaming_gaps_counts_time_without_weight_streams(tmp_path):
+    """Rows 0 (GEMV on CTA 0, 0-5 us) and 3 (GEMV on CTA 1, 3-6 us) stream; EW rows run 6-9 and
+    9.5-10 us. Streaming: one CTA for 3 + 1 us, two for 2 us; none from 6 to 10 us, which is one
+    stretch of 4 us with both EW rows in it."""
+    tasks = [TaskRow(Opcode.GEMV_BF16, 0), TaskRow(Opcode.EW, 1), TaskRow(Opcode.NOP, 2),
+             TaskRow(Opcode.GEMV_BF16, 3), TaskRow(Opcode.EW, 4)]
+    stamps = [(0, 0, 5), (5, 6, 9), (0, 0, 0.1), (0.2, 3, 6), (6, 9.5, 10)]
+    path = _profile(tmp_path, tasks, stamps, [0, 0, 1, 1, 1])
+    hist, gaps = critical_path.streaming_gaps(path)
+    assert sum(us for _, _, us in hist) == pytest.approx(10)
+    by_band = {(lo, hi): us for lo, hi, us in hist}
+    assert by_band[(0, 0)] == pytest.approx(4.0)
+    assert sum(us for (lo, hi), us in by_band.items() if lo <= 1 <= hi) == pytest.approx(4.0)
+    assert sum(us for (lo, hi), us in by_band.items() if lo <= 2 <= hi) == pytest.approx(2.0)
+    assert len(gaps) == 1 and gaps[0][0] == pytest.approx(6) and gaps[0][1] == pytest.approx(4)
+    assert gaps[0][2] == {"EW/0": 2}
