@@ -607,3 +607,25 @@ def test_gemv_pf_stripe_compiles_and_passes_the_audit(cutlass_available, tmp_pat
     assert "PF_BUDGET = 131072\n" in src["stripe"]
     with pytest.raises(ValueError, match="gemv_pf"):
         small_plan(gemv_pf="rows")
+
+
+def test_spin_first_compiles_and_passes_the_audit(cutlass_available, tmp_path):
+    """KernelPlan.spin_first (the weight prefetch only after a first poll finds the event short)
+    and spin_err_every (the error flag on every n-th poll): with and without lean_dispatch the
+    kernel compiles for sm_90a and passes the PTX audit (every spin load an acquire, every signal
+    a release), and the rendered wait calls the prefetch from inside the spin."""
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    for i, kw in enumerate(({"spin_first": True, "spin_err_every": 16}, {"spin_first": True, "lean_dispatch": False})):
+        plan = small_plan(**kw)
+        rep = audit_plan(plan, tmp_path / str(i))
+        assert rep.ok, (kw, rep.violations)
+        assert rep.acquire_loads > 0 and rep.release_signals > 0
+        src = render(plan)
+        wait = src[src.index("def wait_event"):src.index("return ok")]
+        assert "prefetch_weights(tab, t, t_end)" in wait
+        assert ("polls % 16 == 15" in wait) == (kw.get("spin_err_every", 1) == 16)
+    src = render(small_plan())
+    assert "prefetch_weights(tab, t, t_end)" not in src[src.index("def wait_event"):src.index("return ok")]
+    with pytest.raises(ValueError, match="spin_err_every"):
+        small_plan(spin_err_every=0)

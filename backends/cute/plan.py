@@ -536,6 +536,18 @@ class KernelPlan:
     # +2.0% at B = 1, +0.4% at 4 (control +0.1%), +0.1% at 16 (control -0.2%)
     # (docs/results/plan_variants_h200_slice4-e128_*_stop27.log).
     lean_dispatch: bool = True
+    # The wait itself (stop 27, off until timed). Thread 0 issues a row's weight prefetch (the PF
+    # words of it and the next row: two dependent table round trips) before its first poll, so a
+    # row whose event is already released waits for them too: on B = 1's critical path 78 of the
+    # 113 row transitions are on one CTA (127 us, ~1.6 us each, stop 26's walk). spin_first: poll
+    # first, prefetch only when the event is short, and (lean_dispatch) the wait's words from the
+    # row header in shared memory, not the table: where four dependent global round trips came
+    # before the first poll (the two rows' PF words, the wait words, the poll), the poll is the
+    # first. spin_err_every: with lean_dispatch the spin
+    # reads the error flag after every short poll (two acquire round trips a poll); n > 1 reads it
+    # on every n-th poll (a CTA still stops within n polls of another's timeout).
+    spin_first: bool = False
+    spin_err_every: int = 1
     # What a waiting CTA prefetches of a GEMV row's tile (stop 27, off until timed). The B = 1
     # profile has no CTA streaming weights for 363 of the step's 3065 us (33 gaps of 1-57 us:
     # ATTN_RES, KDA, router, MLA, the norms), and the PF words' 64 KiB prefix of a tile is the
@@ -562,6 +574,8 @@ class KernelPlan:
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= 16:
             raise ValueError(f"batch {self.batch} not in 1..16")
+        if not 1 <= self.spin_err_every <= 64:
+            raise ValueError(f"spin_err_every {self.spin_err_every} must be 1..64")
         if self.gemv_pf not in ("prefix", "stripe") or not 0 <= self.pf_budget_kb <= 4096:
             raise ValueError(f"gemv_pf {self.gemv_pf!r} must be 'prefix' or 'stripe', pf_budget_kb 0..4096")
         if self.gemv not in ("auto", "mma", "simt"):

@@ -21,10 +21,18 @@ def _rand(*shape, scale=1.0):
     return (torch.randn(*shape, device="cuda") * scale).to(BF)
 
 
-@pytest.mark.parametrize("batch,lean", [(1, False), (4, False), (16, False), (1, True), (16, True)])
-def test_gemv_bodies_and_chain(batch, lean):
-    """(lean: KernelPlan.lean_dispatch, the dispatch loop without the per-row error-flag read and
-    with the next rows' table lines prefetched.)"""
+# Dispatch-loop fields over the default (lean_dispatch on since stop 27): the loop before it, and
+# stop 27's spin_first (poll, then prefetch) / spin_err_every (error flag on every n-th poll).
+DISPATCH = {"default": {}, "not_lean": {"lean_dispatch": False},
+            "spin_first": {"spin_first": True, "spin_err_every": 16},
+            "spin_first_not_lean": {"spin_first": True, "lean_dispatch": False}}
+
+
+@pytest.mark.parametrize("batch,dispatch", [(1, "default"), (4, "default"), (16, "default"), (1, "not_lean"),
+                                            (16, "not_lean"), (1, "spin_first"), (16, "spin_first"),
+                                            (4, "spin_first_not_lean")])
+def test_gemv_bodies_and_chain(batch, dispatch):
+    """(dispatch: the KernelPlan fields of the loop between rows, DISPATCH.)"""
     w, x, y = _rand(300, 1280, scale=0.05), _rand(batch, 1280), torch.empty(batch, 304, device="cuda", dtype=BF)
     wq, sc = wl.random_mxfp4(200, 1024, "cuda")
     x2, y2 = _rand(batch, 1024), torch.empty(batch, 200, device="cuda", dtype=BF)
@@ -38,8 +46,8 @@ def test_gemv_bodies_and_chain(batch, lean):
     tasks.append(wl.rmsnorm_task(h, gamma, hn, 1e-6, 300, wait=(0, 8, 0), signal=1))
     tasks += wl.gemv_tasks(wc, hn, yc, 6, 400, wait=(1, 1, 0))
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=2,
-                      batch=batch, threads=256, rows_per_warp=2, lean_dispatch=lean,
-                      name=f"t_b{batch}{'_lean' * lean}")
+                      batch=batch, threads=256, rows_per_warp=2, **DISPATCH[dispatch],
+                      name=f"t_b{batch}_{dispatch}")
     rt = Megakernel(plan)
     for step in (1, 2):
         x.copy_(_rand(batch, 1280))
@@ -57,13 +65,13 @@ def test_gemv_bodies_and_chain(batch, lean):
         assert rt.events.tolist() == [8 * step, step]
 
 
-@pytest.mark.parametrize("lean", [False, True])   # KernelPlan.lean_dispatch
-def test_missing_signal_raises(lean):
+@pytest.mark.parametrize("dispatch", ["default", "not_lean", "spin_first"])
+def test_missing_signal_raises(dispatch):
     x, w = _rand(1, 256), _rand(8, 256)
     y = torch.empty(1, 8, device="cuda", dtype=BF)
     tasks = wl.gemv_tasks(w, x, y, 1, 7, wait=(1, 1, 0))
     plan = KernelPlan(tasks=tuple(tasks), queues=((0,), ()), num_events=2, threads=128,
-                      spin_timeout_ns=50_000_000, lean_dispatch=lean, name=f"t_dead{'_lean' * lean}")
+                      spin_timeout_ns=50_000_000, **DISPATCH[dispatch], name=f"t_dead_{dispatch}")
     rt = Megakernel(plan)
     rt.step()
     with pytest.raises(MegakernelTimeout, match="task 7 .* event 1 for counter >= 1 but saw 0"):
