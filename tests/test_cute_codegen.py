@@ -629,3 +629,23 @@ def test_spin_first_compiles_and_passes_the_audit(cutlass_available, tmp_path):
     assert "prefetch_weights(tab, t, t_end)" not in src[src.index("def wait_event"):src.index("return ok")]
     with pytest.raises(ValueError, match="spin_err_every"):
         small_plan(spin_err_every=0)
+
+
+def test_signal_tid_compiles_and_passes_the_audit(cutlass_available, tmp_path):
+    """KernelPlan.signal_tid = 32: warp 1's lane 0 releases a finished row's event after the
+    barrier and thread 0 copies the next header only after the following barrier. The kernel
+    compiles for sm_90a and passes the PTX audit (the release is still a release at gpu scope),
+    the signal is guarded by the new thread index, and the field needs lean_dispatch."""
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    plan = small_plan(signal_tid=32, spin_first=True)
+    rep = audit_plan(plan, tmp_path / "sig")
+    assert rep.ok, rep.violations
+    assert rep.release_signals > 0
+    src = render(plan)
+    assert "SIGNAL_TID = 32\n" in src and "if tidx == SIGNAL_TID:" in src
+    assert "if tidx == SIGNAL_TID:" not in render(small_plan())
+    with pytest.raises(ValueError, match="signal_tid"):
+        small_plan(signal_tid=32, lean_dispatch=False)
+    with pytest.raises(ValueError, match="signal_tid"):
+        small_plan(signal_tid=1)

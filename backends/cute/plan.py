@@ -548,6 +548,13 @@ class KernelPlan:
     # on every n-th poll (a CTA still stops within n polls of another's timeout).
     spin_first: bool = False
     spin_err_every: int = 1
+    # The thread that releases a finished row's event (stop 27, off until timed). Thread 0 did
+    # it, and its release (a fence that waits for the CTA's stores to reach L2, then the atomic)
+    # came before it could start the next row's header and wait. 32: warp 1's lane 0 signals
+    # after the same barrier (which orders every thread's stores before it) while thread 0 goes
+    # on; the next row's header copy then waits until after the next barrier, when warp 1 has
+    # read the signal word out of the buffer it would overwrite. Needs lean_dispatch.
+    signal_tid: int = 0
     # What a waiting CTA prefetches of a GEMV row's tile (stop 27, off until timed). The B = 1
     # profile has no CTA streaming weights for 363 of the step's 3065 us (33 gaps of 1-57 us:
     # ATTN_RES, KDA, router, MLA, the norms), and the PF words' 64 KiB prefix of a tile is the
@@ -574,6 +581,8 @@ class KernelPlan:
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= 16:
             raise ValueError(f"batch {self.batch} not in 1..16")
+        if self.signal_tid not in (0, 32) or (self.signal_tid and (not self.lean_dispatch or self.threads < 64)):
+            raise ValueError(f"signal_tid {self.signal_tid} must be 0, or 32 with lean_dispatch and >= 64 threads")
         if not 1 <= self.spin_err_every <= 64:
             raise ValueError(f"spin_err_every {self.spin_err_every} must be 1..64")
         if self.gemv_pf not in ("prefix", "stripe") or not 0 <= self.pf_budget_kb <= 4096:

@@ -22,15 +22,19 @@ def _rand(*shape, scale=1.0):
 
 
 # Dispatch-loop fields over the default (lean_dispatch on since stop 27): the loop before it, and
-# stop 27's spin_first (poll, then prefetch) / spin_err_every (error flag on every n-th poll).
+# stop 27's spin_first (poll, then prefetch) / spin_err_every (error flag on every n-th poll) /
+# signal_tid (warp 1 releases the row's event).
 DISPATCH = {"default": {}, "not_lean": {"lean_dispatch": False},
             "spin_first": {"spin_first": True, "spin_err_every": 16},
-            "spin_first_not_lean": {"spin_first": True, "lean_dispatch": False}}
+            "spin_first_not_lean": {"spin_first": True, "lean_dispatch": False},
+            "signal_warp1": {"signal_tid": 32},
+            "all": {"spin_first": True, "spin_err_every": 16, "signal_tid": 32}}
 
 
 @pytest.mark.parametrize("batch,dispatch", [(1, "default"), (4, "default"), (16, "default"), (1, "not_lean"),
                                             (16, "not_lean"), (1, "spin_first"), (16, "spin_first"),
-                                            (4, "spin_first_not_lean")])
+                                            (4, "spin_first_not_lean"), (1, "signal_warp1"), (4, "all"),
+                                            (16, "all")])
 def test_gemv_bodies_and_chain(batch, dispatch):
     """(dispatch: the KernelPlan fields of the loop between rows, DISPATCH.)"""
     w, x, y = _rand(300, 1280, scale=0.05), _rand(batch, 1280), torch.empty(batch, 304, device="cuda", dtype=BF)
@@ -65,7 +69,7 @@ def test_gemv_bodies_and_chain(batch, dispatch):
         assert rt.events.tolist() == [8 * step, step]
 
 
-@pytest.mark.parametrize("dispatch", ["default", "not_lean", "spin_first"])
+@pytest.mark.parametrize("dispatch", ["default", "not_lean", "spin_first", "all"])
 def test_missing_signal_raises(dispatch):
     x, w = _rand(1, 256), _rand(8, 256)
     y = torch.empty(1, 8, device="cuda", dtype=BF)
