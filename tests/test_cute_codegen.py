@@ -649,3 +649,20 @@ def test_signal_tid_compiles_and_passes_the_audit(cutlass_available, tmp_path):
         small_plan(signal_tid=32, lean_dispatch=False)
     with pytest.raises(ValueError, match="signal_tid"):
         small_plan(signal_tid=1)
+
+
+def test_lean_row_smem_compiles_and_passes_the_audit(cutlass_available, tmp_path):
+    """KernelPlan.lean_row_smem: the whole row is copied into shared memory (16-byte cp.async, 13
+    per row of 26 words) and the bodies read their words from a stride-0 view of it; the kernel
+    compiles for sm_90a and passes the PTX audit, with the row copies in its PTX twice (the first
+    row's before the loop, the next row's in it)."""
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    plan = small_plan(lean_row_smem=True)
+    rep = audit_plan(plan, tmp_path / "row")
+    assert rep.ok, rep.violations
+    ptx = next((tmp_path / "row").rglob("*.ptx")).read_text()
+    assert ptx.count("cp.async.cg.shared.global") == 2 * (ROW_WORDS // 2)
+    assert "trow = cute.make_tensor" in render(plan) and "trow" not in render(small_plan())
+    with pytest.raises(ValueError, match="lean_row_smem"):
+        small_plan(lean_row_smem=True, lean_dispatch=False)

@@ -555,6 +555,12 @@ class KernelPlan:
     # on; the next row's header copy then waits until after the next barrier, when warp 1 has
     # read the signal word out of the buffer it would overwrite. Needs lean_dispatch.
     signal_tid: int = 0
+    # The bodies' table words (stop 27, off until timed): every body starts by reading its row's
+    # words (addresses, sizes) from the table, one L2 round trip (lean_dispatch prefetched the
+    # lines) before its first real load, on each of the critical path's rows. lean_row_smem:
+    # the header copy takes the whole row and the bodies read their words from shared memory.
+    # Needs lean_dispatch.
+    lean_row_smem: bool = False
     # What a waiting CTA prefetches of a GEMV row's tile (stop 27, off until timed). The B = 1
     # profile has no CTA streaming weights for 363 of the step's 3065 us (33 gaps of 1-57 us:
     # ATTN_RES, KDA, router, MLA, the norms), and the PF words' 64 KiB prefix of a tile is the
@@ -583,6 +589,8 @@ class KernelPlan:
             raise ValueError(f"batch {self.batch} not in 1..16")
         if self.signal_tid not in (0, 32) or (self.signal_tid and (not self.lean_dispatch or self.threads < 64)):
             raise ValueError(f"signal_tid {self.signal_tid} must be 0, or 32 with lean_dispatch and >= 64 threads")
+        if self.lean_row_smem and not self.lean_dispatch:
+            raise ValueError("lean_row_smem needs lean_dispatch")
         if not 1 <= self.spin_err_every <= 64:
             raise ValueError(f"spin_err_every {self.spin_err_every} must be 1..64")
         if self.gemv_pf not in ("prefix", "stripe") or not 0 <= self.pf_budget_kb <= 4096:

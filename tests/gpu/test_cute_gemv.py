@@ -23,17 +23,17 @@ def _rand(*shape, scale=1.0):
 
 # Dispatch-loop fields over the default (lean_dispatch on since stop 27): the loop before it, and
 # stop 27's spin_first (poll, then prefetch) / spin_err_every (error flag on every n-th poll) /
-# signal_tid (warp 1 releases the row's event).
+# signal_tid (warp 1 releases the row's event) / lean_row_smem (the bodies' words from shared memory).
 DISPATCH = {"default": {}, "not_lean": {"lean_dispatch": False},
             "spin_first": {"spin_first": True, "spin_err_every": 16},
             "spin_first_not_lean": {"spin_first": True, "lean_dispatch": False},
-            "signal_warp1": {"signal_tid": 32},
-            "all": {"spin_first": True, "spin_err_every": 16, "signal_tid": 32}}
+            "signal_warp1": {"signal_tid": 32}, "row_smem": {"lean_row_smem": True},
+            "all": {"spin_first": True, "spin_err_every": 16, "signal_tid": 32, "lean_row_smem": True}}
 
 
 @pytest.mark.parametrize("batch,dispatch", [(1, "default"), (4, "default"), (16, "default"), (1, "not_lean"),
                                             (16, "not_lean"), (1, "spin_first"), (16, "spin_first"),
-                                            (4, "spin_first_not_lean"), (1, "signal_warp1"), (4, "all"),
+                                            (4, "spin_first_not_lean"), (1, "signal_warp1"), (16, "row_smem"), (4, "all"),
                                             (16, "all")])
 def test_gemv_bodies_and_chain(batch, dispatch):
     """(dispatch: the KernelPlan fields of the loop between rows, DISPATCH.)"""
