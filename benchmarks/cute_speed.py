@@ -10,7 +10,8 @@ Per batch size:
     bandwidth they imply;
   - the reference executor over the same lowered graph, eager, same weights (under
     torch.compile: benchmarks/reference_compile.py).
-With FUSEC_PROFILE_DIR set, each profile is also saved (torch.save) for offline analysis.
+With FUSEC_PROFILE_DIR set, each profile is also saved (torch.save) for offline analysis, and
+the time with n CTAs inside a weight-streaming body is printed (critical_path.streaming_gaps).
 `--profile-plan field=value[,...]` profiles a variant of the plan instead of the default (the
 saved file's name then ends in `_variant`): where a variant's time goes inside the step, which a
 body's own benchmark does not say.
@@ -31,6 +32,7 @@ import torch
 
 import fusec
 from _plan_args import plan_fields  # benchmarks/_plan_args.py
+from critical_path import streaming_gaps  # benchmarks/critical_path.py
 from _timing import median_us  # benchmarks/_timing.py (this script's folder)
 
 HBM_TBPS = 4.16
@@ -193,7 +195,14 @@ def bench(config: str, batch: int, max_len: int, reps: int) -> dict:
         cta = torch.zeros(len(run.plan.tasks), dtype=torch.int64)
         for c, q in enumerate(run.plan.queues):
             cta[list(q)] = c
-        torch.save({"prof": prof, "rows": rows, "cta": cta}, os.path.join(SAVE_DIR, f"profile_{config}_b{batch}{'_variant' if PROFILE_PLAN[0] else ''}.pt"))
+        saved = os.path.join(SAVE_DIR, f"profile_{config}_b{batch}{'_variant' if PROFILE_PLAN[0] else ''}.pt")
+        torch.save({"prof": prof, "rows": rows, "cta": cta}, saved)
+        # How much of the profiled step the weight streams use (critical_path.py --gaps has the
+        # stretches one by one).
+        hist, gaps = streaming_gaps(saved)
+        print(f"  B={batch} profile: us with n CTAs in a weight-streaming body: "
+              + ", ".join(f"{lo}-{hi}: {us:.0f}" for lo, hi, us in hist)
+              + f"; {len(gaps)} stretches with none ({sum(g[1] for g in gaps):.0f} us)", flush=True)
     kinds = kind_table(run, prof, actual / model if model else 1.0)
     wall = (int(prof[:, 2].max()) - int(prof[:, 0][prof[:, 0] > 0].min())) / 1e3
     body = (prof[:, 2] - prof[:, 1]).double() / 1e3
