@@ -473,34 +473,6 @@ def test_weight_evict_first_covers_the_expert_loads(cutlass_available, tmp_path)
         assert hints["experts"] == 0 < hints["all"], (batch, hints)
 
 
-def test_weight_no_l1_covers_the_streamed_weight_loads(cutlass_available, tmp_path):
-    """KernelPlan.weight_no_l1: the GEMV bodies' weight loads (CUDA-core at batch 1, tensor-core
-    at batch 4) and the register expert body's (alone and under the evict_first policy) become
-    ld.global.L1::no_allocate, and the plain 16-byte global loads left are fewer by as many; the
-    activation loads stay plain. Every build passes the PTX audit; off, no load names L1."""
-    from fusec.backends.cute.codegen import compile_plan
-    from fusec.backends.cute.ptx_audit import audit_dir
-
-    builds = [(f"gemv{b}", small_plan(batch=b), True) for b in (1, 4)]
-    builds.append(("expert", _expert_plan((3584, 3072), stream="regs", tiles=True), False))
-    for name, plan, signals in builds:
-        ptx = {}
-        for mode in ("", "experts"):
-            for no_l1 in (False, True):
-                p = dataclasses.replace(plan, weight_evict_first=mode, weight_no_l1=no_l1)
-                _, _, dump = compile_plan(p, tmp_path / f"{name}{mode}{no_l1}", keep_ptx=True)
-                assert audit_dir(dump, expect_signals=signals).ok, (name, mode, no_l1)
-                ptx[mode, no_l1] = next(dump.glob("*.ptx")).read_text()
-        off, on = ptx["", False], ptx["", True]
-        assert "L1::no_allocate" not in off and "L1::no_allocate" not in ptx["experts", False]
-        n = on.count("ld.global.L1::no_allocate.v4.b32")
-        assert n > 0, name
-        assert on.count("ld.global.v4") < off.count("ld.global.v4"), name
-        assert on.count("ld.global.v4") > 0, name      # the activations' loads stay plain
-        if name == "expert":
-            assert ptx["experts", True].count("ld.global.L1::no_allocate.L2::cache_hint.v4.b32") > 0
-
-
 def test_state_and_cache_evict_first_fields(cutlass_available, tmp_path):
     """kda_state_evict_first / mla_cache_evict_first: the KDA body's state loads and stores and
     the MLA PARTIAL's cache copies carry the L2 evict_first policy (and nothing else changes

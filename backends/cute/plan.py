@@ -436,12 +436,6 @@ class KernelPlan:
     # per batch from measurements; where the gain comes from is not known (the B = 1 profile
     # build showed no row family but the experts shorter).
     weight_evict_first: str = ""
-    # Streamed weight loads (every _wld / _wld_bf16x8 load: the GEMV bodies and the register
-    # expert bodies) as ld.global.L1::no_allocate: weights read once a step no longer evict
-    # from L1 the activation lines that every warp of the CTA reads again (at B = 16 the
-    # tensor-core GEMV loads half as many activation bytes as weight bytes per chunk, all from
-    # L2 once the streamed weights have pushed them out of L1). Off until timed.
-    weight_no_l1: bool = False
     # The KDA state's fp32 loads and stores (~24 MB read and 20 MB written a step at B = 1, ~200
     # MB at B = 16) and the MLA PARTIAL's cache copies (4.7 MB a layer at B = 1, 75 MB at B = 16)
     # under the same policy: read once a step, like the weights. Stop 26, off until timed.

@@ -28,16 +28,15 @@ DISPATCH = {"default": {}, "not_lean": {"lean_dispatch": False},
             "spin_first": {"spin_first": True, "spin_err_every": 16},
             "spin_first_not_lean": {"spin_first": True, "lean_dispatch": False},
             "signal_warp1": {"signal_tid": 32}, "row_smem": {"lean_row_smem": True},
-            "all": {"spin_first": True, "spin_err_every": 16, "signal_tid": 32, "lean_row_smem": True},
-            "no_l1": {"weight_no_l1": True}}
+            "all": {"spin_first": True, "spin_err_every": 16, "signal_tid": 32, "lean_row_smem": True}}
 
 
 @pytest.mark.parametrize("batch,dispatch", [(1, "default"), (4, "default"), (16, "default"), (1, "not_lean"),
                                             (16, "not_lean"), (1, "spin_first"), (16, "spin_first"),
                                             (4, "spin_first_not_lean"), (1, "signal_warp1"), (16, "row_smem"), (4, "all"),
-                                            (16, "all"), (1, "no_l1"), (4, "no_l1"), (16, "no_l1")])
+                                            (16, "all")])
 def test_gemv_bodies_and_chain(batch, dispatch):
-    """(dispatch: KernelPlan fields of the loop between rows, or weight_no_l1; DISPATCH.)"""
+    """(dispatch: the KernelPlan fields of the loop between rows, DISPATCH.)"""
     w, x, y = _rand(300, 1280, scale=0.05), _rand(batch, 1280), torch.empty(batch, 304, device="cuda", dtype=BF)
     wq, sc = wl.random_mxfp4(200, 1024, "cuda")
     x2, y2 = _rand(batch, 1024), torch.empty(batch, 200, device="cuda", dtype=BF)
