@@ -536,7 +536,7 @@ class KernelPlan:
     # +2.0% at B = 1, +0.4% at 4 (control +0.1%), +0.1% at 16 (control -0.2%)
     # (docs/results/plan_variants_h200_slice4-e128_*_stop27.log).
     lean_dispatch: bool = True
-    # The wait itself (stop 27, off until timed). Thread 0 issues a row's weight prefetch (the PF
+    # The wait itself (stop 27; off here, on in every plan lower.py builds since stop 28's timing). Thread 0 issues a row's weight prefetch (the PF
     # words of it and the next row: two dependent table round trips) before its first poll, so a
     # row whose event is already released waits for them too: on B = 1's critical path 78 of the
     # 113 row transitions are on one CTA (127 us, ~1.6 us each, stop 26's walk). spin_first: poll
@@ -548,14 +548,14 @@ class KernelPlan:
     # on every n-th poll (a CTA still stops within n polls of another's timeout).
     spin_first: bool = False
     spin_err_every: int = 1
-    # The thread that releases a finished row's event (stop 27, off until timed). Thread 0 did
+    # The thread that releases a finished row's event (stop 27; off here, 32 in lower.py's plans). Thread 0 did
     # it, and its release (a fence that waits for the CTA's stores to reach L2, then the atomic)
     # came before it could start the next row's header and wait. 32: warp 1's lane 0 signals
     # after the same barrier (which orders every thread's stores before it) while thread 0 goes
     # on; the next row's header copy then waits until after the next barrier, when warp 1 has
     # read the signal word out of the buffer it would overwrite. Needs lean_dispatch.
     signal_tid: int = 0
-    # The bodies' table words (stop 27, off until timed): every body starts by reading its row's
+    # The bodies' table words (stop 27; off here, on in lower.py's plans): every body starts by reading its row's
     # words (addresses, sizes) from the table, one L2 round trip (lean_dispatch prefetched the
     # lines) before its first real load, on each of the critical path's rows. lean_row_smem:
     # the header copy takes the whole row and the bodies read their words from shared memory.
