@@ -26,6 +26,7 @@ from fusec.backends.cute.plan import GEMV_TILED, NO_EVENT, CommOp, EwOp, ExpertM
 from fusec.backends.cute.weight_tiles import mx_untile, tile_weights, untile
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.registry import get_op
+from fusec.ir.types import Kind
 
 
 class Deadlock(RuntimeError):
@@ -52,9 +53,14 @@ def _typed(arena):
 
 
 class Interp:
-    def __init__(self, plan, arena: torch.Tensor, arenas=None):
-        """`arenas`: every rank's arena (multi-rank: addresses r * RANK_STRIDE + offset)."""
+    def __init__(self, plan, arena: torch.Tensor, arenas=None, matrices=()):
+        """`arenas`: every rank's arena (multi-rank: addresses r * RANK_STRIDE + offset).
+        `matrices`: (offset, nbytes) of the weight regions: a GEMV row reading one computes its
+        rows from the product with the whole matrix, as the reference does (CPU BLAS sums a
+        slice of the rows in another order than the whole for some row counts, while the
+        kernel's dot product of a row does not depend on the rows beside it)."""
         self.plan, self.arena = plan, arena
+        self.matrices = sorted(matrices)
         self.events = [0] * max(1, plan.num_events)
         self.step = 0
         self.typed = _typed(arena)
@@ -111,11 +117,17 @@ class Interp:
             y = self.mat(r.a2, B, r.n1, r.ldy, bool(r.p1 & F32Flag.OUT))
             y[:, r.n0:r.n1] = (x @ w.T).to(y.dtype)
         elif op == Opcode.GEMV_BF16:
-            w = self.mat(r.a0, r.n1, r.k, r.k)[r.n0:r.n1].float()
             x = self.mat(r.a1, B, r.k, r.ldx).float()
             f32 = bool(r.p1 & F32Flag.OUT)
             y = self.mat(r.a2, B, r.n1, r.ldy, f32)
-            y[:, r.n0:r.n1] = (x @ w.T).to(y.dtype)
+            m = next(((o, n) for o, n in self.matrices if o <= r.a0 < o + n), None)
+            if m is not None and (r.a0 - m[0]) % (2 * r.k) == 0 and m[1] % (2 * r.k) == 0:
+                st = (r.a0 - m[0]) // (2 * r.k)       # the row's base, in rows of the matrix
+                w = self.mat(m[0], m[1] // (2 * r.k), r.k, r.k).float()
+                y[:, r.n0:r.n1] = (x @ w.T)[:, st + r.n0:st + r.n1].to(y.dtype)
+            else:
+                w = self.mat(r.a0, r.n1, r.k, r.k)[r.n0:r.n1].float()
+                y[:, r.n0:r.n1] = (x @ w.T).to(y.dtype)
         elif op == Opcode.RMSNORM:
             x = self.mat(r.a0, r.n1, r.k, r.ldx)[r.n0:].float()
             g = self.t(r.a1, torch.bfloat16, (r.k,), (1,)).float()
@@ -382,7 +394,8 @@ def interp_on_arena(low, weights, mutate=None, plan_options=None):
     plan = low.plan(base=0, **(plan_options or {}))
     if mutate:
         plan = plan.with_tasks(mutate(list(plan.tasks)))
-    return bound, Interp(plan, bound.arena)
+    mats = [(r.offset, r.nbytes) for r in low.memory.regions.values() if r.kind is Kind.weight]
+    return bound, Interp(plan, bound.arena, matrices=mats)
 
 
 class RankInterp:

@@ -13,10 +13,10 @@ Rules (the core's protocol, docs/cute_backend.md):
   its last row (extra SIGNALs on trailing NOP rows), so every counter gets one increment per task;
 - a prologue computed by every tile of a group (rms_norm before a GEMV) writes a per-task scratch
   tensor, never the shared value (two CTAs would race on it);
-- a merged projection stores fp32 when one of its slices needs fp32; a tile that lies inside a
-  slice read only by a bf16 cast stores bf16 straight into the cast's output instead (its GEMV
-  row's weight base moved to the slice's first row) and the cast gets no COPY row there
-  (`_store_cast_from_gemv`);
+- a merged projection stores fp32 when one of its slices needs fp32; a tile's part inside a
+  slice read only by a bf16 cast stores bf16 straight into the cast's output instead (a GEMV row
+  of its own, cut at the slice's bounds, its weight base moved to the slice's first row) and the
+  cast gets no COPY row there (`_store_cast_from_gemv`);
 - an op without a body stops the lowering with one line naming it (never skipped);
 - a GEMV row whose task LOADs its weight above its waits (the prefetch pass's decision) names the
   first bytes of its weight tile (PF words) so that a waiting CTA pulls them into L2;
@@ -403,10 +403,13 @@ class _TaskLowering(MixerLowering):
 
     def _store_cast_from_gemv(self, op: Op, anchor: Op, rows: list, i: int, tile, redirect) -> bool:
         """A merged projection stores fp32 (some of its slices need fp32) and its bf16 slices
-        are casts: when the task's tile lies inside one slice whose only reader is a cast to bf16,
-        and nothing else reads those fp32 columns, the GEMV row (rows[i]) stores bf16 straight
-        into the cast's output (the same fp32 sums, the same rounding) and the cast gets no COPY
-        row: one row and one L2 round trip less per tile. Returns whether it did so."""
+        are casts: the part of the task's tile inside a slice whose only reader is a cast to
+        bf16, where nothing else reads those fp32 columns, is stored by a GEMV row as bf16
+        straight into the cast's output (the same fp32 sums, the same rounding) and the cast
+        gets no COPY row. A tile across slice boundaries (rows[i] and the rows after it: the
+        anchor's GEMV rows, already cut for earlier casts) has its GEMV row cut at the slice's
+        bounds, one row per part: on the B = 1 critical path each such COPY row was ~1.4 us plus
+        its dispatch after the GEMV row it follows (stop 26's profile). Returns whether it did."""
         if op.opname != "cast" or anchor.opname != "linear":
             return False
         sl = op.inputs[0].producer
@@ -419,23 +422,34 @@ class _TaskLowering(MixerLowering):
         if self.mem.view(a_out).dtype is not DType.f32 or self.mem.view(o).dtype is not DType.bf16:
             return False
         (lo, hi), (_, st, en) = tile, (int(x) for x in sl.opdef.window(sl.attrs))
+        a, b = max(lo, st), min(hi, en)         # the tile's part inside the slice
         readers = self.users.get(sl.outputs[0].name, [])
-        if not st <= lo < hi <= en or len(readers) != 1 or readers[0] is not op:
+        if a >= b or len(readers) != 1 or readers[0] is not op:
             return False
-        for u in self.users.get(a_out, []):    # other readers of the fp32 columns of this tile
+        for u in self.users.get(a_out, []):    # other readers of the fp32 columns of this part
             if Trait.view not in u.opdef.traits or u.opdef.window is None:
                 return False
             _, ust, uen = (int(x) for x in u.opdef.window(u.attrs))
-            if u is not sl and ust < hi and lo < uen:
+            if u is not sl and ust < b and a < uen:
                 return False
-        r, fs = rows[i]
-        if (r.n0, r.n1) != (lo, hi) or r.opcode != Opcode.GEMV_BF16:
+        # the anchor's GEMV row (or the part of it left by earlier casts) that still stores
+        # fp32 into the merged output over [a, b)
+        y = self._off(a_out, redirect)
+        at = next((j for j in range(i, len(rows)) if rows[j][0].opcode == Opcode.GEMV_BF16
+                   and rows[j][0].a2 == y and rows[j][0].n0 <= a and b <= rows[j][0].n1), None)
+        if at is None:
             return False
-        self.unstored.setdefault(a_out, []).append((lo, hi))
-        self.unstored.setdefault(sl.outputs[0].name, []).append((lo - st, hi - st))
+        r, fs = rows[at]
+        self.unstored.setdefault(a_out, []).append((a, b))
+        self.unstored.setdefault(sl.outputs[0].name, []).append((a - st, b - st))
         # the slice's weight rows start st rows into W (row-major [N, K] bf16)
-        rows[i] = (dataclasses.replace(r, a0=r.a0 + st * r.k * 2, a2=self._off(o, redirect), n0=lo - st, n1=hi - st,
-                                       ldy=self.mem.view(o).row_stride, p1=r.p1 & ~int(F32Flag.OUT)), fs)
+        mid = dataclasses.replace(r, a0=r.a0 + st * r.k * 2, a2=self._off(o, redirect), n0=a - st, n1=b - st,
+                                  ldy=self.mem.view(o).row_stride, p1=r.p1 & ~int(F32Flag.OUT))
+        parts = [dataclasses.replace(r, n1=a)] if r.n0 < a else []
+        parts.append(mid)
+        if b < r.n1:
+            parts.append(dataclasses.replace(r, n0=b))
+        rows[at:at + 1] = [(p, fs) for p in parts]
         return True
 
     def _cols(self, op: Op, cols: dict, t: Task) -> tuple[int, int]:
