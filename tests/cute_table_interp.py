@@ -394,17 +394,24 @@ def interp_on_arena(low, weights, mutate=None, plan_options=None):
     plan = low.plan(base=0, **(plan_options or {}))
     if mutate:
         plan = plan.with_tasks(mutate(list(plan.tasks)))
-    mats = [(r.offset, r.nbytes) for r in low.memory.regions.values() if r.kind is Kind.weight]
-    return bound, Interp(plan, bound.arena, matrices=mats)
+    return bound, Interp(plan, bound.arena, matrices=weight_matrices(low))
+
+
+def weight_matrices(low, base: int = 0):
+    """(address, nbytes) of the lowered table's weight regions in an arena at `base` (Interp's
+    `matrices`)."""
+    return [(base + r.offset, r.nbytes) for r in low.memory.regions.values() if r.kind is Kind.weight]
 
 
 class RankInterp:
     """The R tables of a multi-rank step (module docstring). `plans[r]`: rank r's KernelPlan with
     addresses r * RANK_STRIDE + offset (Lowered.plan(base, peer_bases)); `arenas[r]` its arena."""
 
-    def __init__(self, plans, arenas):
+    def __init__(self, plans, arenas, matrices=None):
+        """`matrices[r]`: rank r's weight regions (weight_matrices(low, r * RANK_STRIDE))."""
         self.R = len(plans)
-        self.ranks = [Interp(p, a, arenas) for p, a in zip(plans, arenas)]
+        mats = matrices or [()] * self.R
+        self.ranks = [Interp(p, a, arenas, m) for p, a, m in zip(plans, arenas, mats)]
 
     def run(self, steps: int, before, after, seed: int = 0, ahead: int | None = None) -> None:
         """Run `steps` steps of every rank. `before(rank, k)` (k 1-based) writes rank's inputs of

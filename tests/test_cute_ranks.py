@@ -23,7 +23,7 @@ import dataclasses
 import pytest
 import torch
 
-from cute_table_interp import RANK_STRIDE, Deadlock, RankInterp
+from cute_table_interp import RANK_STRIDE, Deadlock, RankInterp, weight_matrices
 from fusec.backends.cute.lower import bind_weights, lower_ranks, lower_schedule
 from fusec.backends.cute.plan import NO_EVENT, CommOp, Opcode, RankWord, ScopeCode
 from fusec.backends.cute.table_verify import verify_table
@@ -90,7 +90,8 @@ def _run(module, ranks, batch, steps, seed, ahead=None, mutate=None, passes="def
     def after(r, k):
         got[(r, k)] = [bounds[r].tensor(v.name).clone() for v in pg.outputs]
 
-    RankInterp(plans, [b.arena for b in bounds]).run(steps, before, after, seed=seed, ahead=ahead)
+    mats = [weight_matrices(low, r * RANK_STRIDE) for r, low in enumerate(lows)]
+    RankInterp(plans, [b.arena for b in bounds], mats).run(steps, before, after, seed=seed, ahead=ahead)
     res = []
     for s in range(steps):
         for r in range(R):
