@@ -651,6 +651,21 @@ def test_signal_tid_compiles_and_passes_the_audit(cutlass_available, tmp_path):
         small_plan(signal_tid=1)
 
 
+def test_router_late_scores_compiles_and_passes_the_audit(cutlass_available, tmp_path):
+    """KernelPlan.router_late_scores: the ROUTER body loads each pick's logit once, after the k
+    rounds of the warp argmax (lane r its own pick), instead of the winner's in every round. The
+    kernel with a ROUTER body compiles for sm_90a and passes the PTX audit, and only the field's
+    render has the late load. (The GPU body test runs it against the registry's router.)"""
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    plan = small_plan(router_late_scores=True, extra_opcodes=(Opcode.ROUTER,))
+    rep = audit_plan(plan, tmp_path / "router")
+    assert rep.ok, rep.violations
+    late = "mw = _i32(mine[1])"
+    assert late in render(plan)
+    assert late not in render(small_plan(extra_opcodes=(Opcode.ROUTER,)))
+
+
 def test_lean_row_smem_compiles_and_passes_the_audit(cutlass_available, tmp_path):
     """KernelPlan.lean_row_smem: the whole row is copied into shared memory (16-byte cp.async, 13
     per row of 26 words) and the bodies read their words from a stride-0 view of it; the kernel

@@ -561,6 +561,12 @@ class KernelPlan:
     # the header copy takes the whole row and the bodies read their words from shared memory.
     # Needs lean_dispatch.
     lean_row_smem: bool = False
+    # ROUTER (stop 29; off until timed): the picks' sigmoid scores loaded after the k rounds of
+    # the warp argmax, each lane r < k its own pick's logit in one parallel load, instead of the
+    # winner's logit loaded again in every round (k dependent L2 round trips: at 896 experts the
+    # router row took 27-31 us of slice4's B = 1 critical path in each MoE layer, stop 29's
+    # profile, with no weight streaming beside it). The same sigmoid of the same logit: the same bits.
+    router_late_scores: bool = False
     # What a waiting CTA prefetches of a GEMV row's tile (stop 27, off until timed). The B = 1
     # profile has no CTA streaming weights for 363 of the step's 3065 us (33 gaps of 1-57 us:
     # ATTN_RES, KDA, router, MLA, the norms), and the PF words' 64 KiB prefix of a tile is the

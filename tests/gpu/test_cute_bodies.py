@@ -38,7 +38,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     halves (expert_half_units, on by default), or "whole": that cut without it. 64 pairs over 8
     experts at B = 16: experts chosen by more pairs than a group holds take several groups. With
     tiles the expert weights load under the L2 evict_first policy, as the runner builds them
-    (KernelPlan.weight_evict_first); without, plainly."""
+    (KernelPlan.weight_evict_first); without, plainly. The cut cases (cut is True) run the
+    ROUTER with its picks' scores loaded after the rounds (KernelPlan.router_late_scores)."""
     from fusec.backends.cute.weight_tiles import mx_tile, tile
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -104,6 +105,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
                       expert_tiles=tiles, expert_mx_mma=tiles, expert_half_units=cut != "whole",
                       weight_evict_first="experts" if tiles else "",    # the runner's default on tiles
+                      router_late_scores=cut is True,
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}"
                            f"{'_' + cut if isinstance(cut, str) else ''}")
     rt = Megakernel(plan)
