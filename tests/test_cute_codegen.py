@@ -651,19 +651,24 @@ def test_signal_tid_compiles_and_passes_the_audit(cutlass_available, tmp_path):
         small_plan(signal_tid=1)
 
 
-def test_router_late_scores_compiles_and_passes_the_audit(cutlass_available, tmp_path):
-    """KernelPlan.router_late_scores: the ROUTER body loads each pick's logit once, after the k
-    rounds of the warp argmax (lane r its own pick), instead of the winner's in every round. The
-    kernel with a ROUTER body compiles for sm_90a and passes the PTX audit, and only the field's
-    render has the late load. (The GPU body test runs it against the registry's router.)"""
+@pytest.mark.parametrize("field,marker", [
+    ("router_late_scores", "mw = _i32(mine[1])"),
+    ("router_loads_together", "bias[i] = _scalar(Float32"),
+    ("router_tree_scan", "tv, ti = _router_tree_best(corr, lane)")])
+def test_router_fields_compile_and_pass_the_audit(cutlass_available, tmp_path, field, marker):
+    """The ROUTER body's stop-29 fields: router_late_scores (each pick's logit loaded once, after
+    the k rounds of the warp argmax, lane r its own pick's), router_loads_together (every logit
+    and bias load before the sigmoids) and router_tree_scan (a lane's best score per round by a
+    pairwise tree). A kernel with a ROUTER body and the field on compiles for sm_90a and passes
+    the PTX audit, and only the field's render has its code. (The GPU body test runs them
+    against the registry's router: tests/gpu/test_cute_bodies.py, its cut cases.)"""
     from fusec.backends.cute.ptx_audit import audit_plan
 
-    plan = small_plan(router_late_scores=True, extra_opcodes=(Opcode.ROUTER,))
-    rep = audit_plan(plan, tmp_path / "router")
+    plan = small_plan(extra_opcodes=(Opcode.ROUTER,), **{field: True})
+    rep = audit_plan(plan, tmp_path / field)
     assert rep.ok, rep.violations
-    late = "mw = _i32(mine[1])"
-    assert late in render(plan)
-    assert late not in render(small_plan(extra_opcodes=(Opcode.ROUTER,)))
+    assert marker in render(plan)
+    assert marker not in render(small_plan(extra_opcodes=(Opcode.ROUTER,)))
 
 
 def test_lean_row_smem_compiles_and_passes_the_audit(cutlass_available, tmp_path):

@@ -128,6 +128,15 @@ class Lowered:
             for field, value in (("spin_first", True), ("spin_err_every", 16), ("signal_tid", 32),
                                  ("lean_row_smem", True)):
                 kw.setdefault(field, value)
+        # Batch 1 (stop 29): the ROUTER's picks' scores loaded after its argmax rounds, MXFP4 DOWN
+        # chunks 4 in flight and the EW body at 4 loads per thread (half its code per instance):
+        # slice4 on the H200 with an A/A control (5 rounds, logits bit for bit the same): the
+        # three together 2612 -> 2554 us (-2.2%); alone -0.8%, -0.3% and -2.0% (ew_unroll=2:
+        # -2.0% too), control -0.0%
+        # (docs/results/plan_variants_h200_slice4_b1_*_stop29.log). Not timed at B > 1.
+        if self.batch == 1:
+            for field, value in (("router_late_scores", True), ("expert_mx_down_unroll", 4), ("ew_unroll", 4)):
+                kw.setdefault(field, value)
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)

@@ -485,7 +485,8 @@ class KernelPlan:
     # body alone holds 64 B per lane in flight in both; stop 22's ptxas counts (GLU 2 or DOWN
     # 3-4: 40-84 B of spills) kept them there untimed. Stop 24's SASS of the body has those
     # spills at task and unit entry and none in a chunk loop (GLU 2 and DOWN 4 as well), so
-    # they are fields for a side-by-side run (benchmarks/plan_variants.py).
+    # they are fields for a side-by-side run (benchmarks/plan_variants.py). Stop 29: DOWN 4 at
+    # slice4 B = 1 -0.3% (control -0.0%), in lower.py's batch-1 plans.
     expert_mx_glu_unroll: int = 1
     expert_mx_down_unroll: int = 2
     spin_timeout_ns: int = 200_000_000
@@ -518,7 +519,9 @@ class KernelPlan:
     # A probe of stop 26's question: at B = 1 the EW rows on the critical path run 1.6-7 us for
     # a few thousand elements and their length follows the size of their math's code (SiTU-GLU
     # 6.9 us for 1988 columns, ADD 1.6 us for 56), as if fetching cold code cost more than the
-    # loads; 4 or 2 halves or quarters every EW instance's code. Off (8) until timed.
+    # loads; 4 or 2 halves or quarters every EW instance's code. Stop 29 timed it on slice4 at
+    # B = 1: 4 and 2 both -2.0% (control -0.0%), so lower.py's batch-1 plans take 4; 8 here
+    # and at B > 1 (not timed there, where a row has B times the elements).
     ew_unroll: int = 8
     # EW body: an element index's (batch row, column) by a per-row magic multiply and shift
     # instead of an integer division per element (the same values). Stop 26, off until timed:
@@ -561,12 +564,24 @@ class KernelPlan:
     # the header copy takes the whole row and the bodies read their words from shared memory.
     # Needs lean_dispatch.
     lean_row_smem: bool = False
-    # ROUTER (stop 29; off until timed): the picks' sigmoid scores loaded after the k rounds of
+    # ROUTER (stop 29; off here, on in lower.py's batch-1 plans): the picks' sigmoid scores loaded after the k rounds of
     # the warp argmax, each lane r < k its own pick's logit in one parallel load, instead of the
     # winner's logit loaded again in every round (k dependent L2 round trips: at 896 experts the
     # router row took 27-31 us of slice4's B = 1 critical path in each MoE layer, stop 29's
-    # profile, with no weight streaming beside it). The same sigmoid of the same logit: the same bits.
+    # profile, with no weight streaming beside it). The same sigmoid of the same logit: the same
+    # bits. slice4 B = 1 on the H200: -0.8% (control -0.0%); not timed at B > 1.
     router_late_scores: bool = False
+    # ROUTER (stop 29, after the lease; off until timed): a lane's logit and bias loads all issued
+    # before its sigmoids. Each sigmoid's division has a branch that no load was hoisted above,
+    # so the loads of a lane's ROUTER_PER_LANE experts (28 at 896) were each a round trip of
+    # their own (the SASS of slice4 B = 1: load, load, MUFU.EX2, branch, per expert): ~20 us
+    # of the 896-expert router row, where the 128-expert one (4 per lane) took ~7. Same bits.
+    router_loads_together: bool = False
+    # ROUTER (stop 29, after the lease; off until timed): a lane's best score per argmax round
+    # by a pairwise tree (5 dependent compare-selects at 28 scores a lane) instead of a serial
+    # scan (28: the SASS's chain of FSETP -> FSEL per score), 16 rounds per token. Same picks
+    # (the lowest index among equal maxima) unless a score is NaN.
+    router_tree_scan: bool = False
     # What a waiting CTA prefetches of a GEMV row's tile (stop 27, off until timed). The B = 1
     # profile has no CTA streaming weights for 363 of the step's 3065 us (33 gaps of 1-57 us:
     # ATTN_RES, KDA, router, MLA, the norms), and the PF words' 64 KiB prefix of a tile is the

@@ -39,7 +39,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     experts at B = 16: experts chosen by more pairs than a group holds take several groups. With
     tiles the expert weights load under the L2 evict_first policy, as the runner builds them
     (KernelPlan.weight_evict_first); without, plainly. The cut cases (cut is True) run the
-    ROUTER with its picks' scores loaded after the rounds (KernelPlan.router_late_scores)."""
+    ROUTER with its stop-29 fields on (KernelPlan.router_late_scores, router_loads_together,
+    router_tree_scan)."""
     from fusec.backends.cute.weight_tiles import mx_tile, tile
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -105,7 +106,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
                       expert_tiles=tiles, expert_mx_mma=tiles, expert_half_units=cut != "whole",
                       weight_evict_first="experts" if tiles else "",    # the runner's default on tiles
-                      router_late_scores=cut is True,
+                      router_late_scores=cut is True, router_loads_together=cut is True,
+                      router_tree_scan=cut is True,
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}"
                            f"{'_' + cut if isinstance(cut, str) else ''}")
     rt = Megakernel(plan)
