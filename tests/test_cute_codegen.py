@@ -671,6 +671,25 @@ def test_router_fields_compile_and_pass_the_audit(cutlass_available, tmp_path, f
     assert marker not in render(small_plan(extra_opcodes=(Opcode.ROUTER,)))
 
 
+def test_kda_prefetch_compiles_and_passes_the_audit(cutlass_available, tmp_path):
+    """KernelPlan.kda_prefetch: the KDA body copies item i + 1's state by cp.async into a
+    shared-memory buffer (4-byte copies, each thread the words it reads) while item i computes.
+    A kernel with a KDA body compiles for sm_90a and passes the PTX audit with it (and with the
+    state's evict_first policy, where the copies carry the cache hint), its PTX has the copies,
+    and the default render has none of it. (The GPU body test runs it against the registry.)"""
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    for i, kw in enumerate(({"kda_prefetch": True}, {"kda_prefetch": True, "kda_state_evict_first": True})):
+        plan = small_plan(extra_opcodes=(Opcode.KDA,), **kw)
+        rep = audit_plan(plan, tmp_path / str(i))
+        assert rep.ok, (kw, rep.violations)
+        ptx = next((tmp_path / str(i)).rglob("*.ptx")).read_text()
+        hint = "cp.async.ca.shared.global.L2::cache_hint" in ptx
+        assert "cp.async.ca.shared.global" in ptx and hint == ("kda_state_evict_first" in kw)
+        assert "_kda_fetch(item + 1" in render(plan)
+    assert "_kda_fetch(" not in render(small_plan(extra_opcodes=(Opcode.KDA,)))
+
+
 def test_lean_row_smem_compiles_and_passes_the_audit(cutlass_available, tmp_path):
     """KernelPlan.lean_row_smem: the whole row is copied into shared memory (16-byte cp.async, 13
     per row of 26 words) and the bodies read their words from a stride-0 view of it; the kernel

@@ -440,6 +440,15 @@ class KernelPlan:
     # MB at B = 16) and the MLA PARTIAL's cache copies (4.7 MB a layer at B = 1, 75 MB at B = 16)
     # under the same policy: read once a step, like the weights. Stop 26, off until timed.
     kda_state_evict_first: bool = False
+    # KDA (stop 29, off until timed): item i + 1's state copied by cp.async into a shared-memory
+    # buffer (two of D x D fp32; each thread copies the words it later reads, so no barrier) and
+    # its vectors loaded into registers while item i is computed, so an item's round trip
+    # overlaps the one before's work. At B = 16 a CTA runs ~12 items a layer at ~4.9 us, one
+    # round trip then the math (54-57 us a KDA layer on slice4's critical path, stop 29's
+    # profile). Holding the next state in registers instead spilled the whole kernel (32 more
+    # live a thread: slice4 B = 16's SASS 100 LDL / 64 STL -> 248 / 268). Same operations on the
+    # same values: the same bits. Items of one task only (after its wait).
+    kda_prefetch: bool = False
     mla_cache_evict_first: bool = False
     # EXPERT_BF16 weight streaming: "regs" (16-byte register loads, UNROLL chunks in flight) or
     # "ring" (cp.async.bulk into a per-warp shared-memory ring, expert_ring; no registers hold the

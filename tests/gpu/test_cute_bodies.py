@@ -139,8 +139,10 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     assert Opcode.ROUTER in plan.opcodes
 
 
-@pytest.mark.parametrize("state_ef", [False, True])   # KernelPlan.kda_state_evict_first
-def test_kda_attn_res_append_match_registry(state_ef):
+# KernelPlan.kda_state_evict_first, kda_prefetch (the next item's inputs fetched during this
+# item's math: kda_tasks(..., 2, 0) gives tasks of two items, so the prefetch path runs)
+@pytest.mark.parametrize("state_ef,prefetch", [(False, False), (True, False), (False, True), (True, True)])
+def test_kda_attn_res_append_match_registry(state_ef, prefetch):
     gen = torch.Generator(device="cuda").manual_seed(3)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     batch, heads, hd, hid = 2, 3, 64, 320
@@ -162,7 +164,8 @@ def test_kda_attn_res_append_match_registry(state_ef):
     tasks += wl.attn_res_tasks(srcs, nw, pw, gam, h, y, 1e-5, 1e-6, 10, ptrs=ptrs)
     tasks.append(wl.ew_task(EwOp.APPEND, row, cache, 20, b=cache, c=pos))
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 8), num_events=1,
-                      batch=batch, threads=256, kda_state_evict_first=state_ef, name=f"k3b_kda{'_ef' * state_ef}")
+                      batch=batch, threads=256, kda_state_evict_first=state_ef, kda_prefetch=prefetch,
+                      name=f"k3b_kda{'_ef' * state_ef}{'_pf' * prefetch}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
@@ -176,7 +179,7 @@ def test_kda_attn_res_append_match_registry(state_ef):
 
 # KernelPlan.ew_unroll (8: the default) and ew_fast_div (the rows' element indices divided by a
 # magic multiply: the batch-row ranges here exercise it)
-@pytest.mark.parametrize("ew_unroll,fast_div", [(8, False), (2, False), (8, True)])
+@pytest.mark.parametrize("ew_unroll,fast_div", [(8, False), (4, False), (2, False), (8, True)])
 def test_kda_family_over_batch_rows_matches_registry(ew_unroll, fast_div):
     """A KDA family cut over (head, batch rows), as the tile pass cuts it at batch > 1
     (OpDef.split_rows): per task, on one CTA, one KDA row per batch row of its range (item
