@@ -690,6 +690,23 @@ def test_kda_prefetch_compiles_and_passes_the_audit(cutlass_available, tmp_path)
     assert "_kda_fetch(" not in render(small_plan(extra_opcodes=(Opcode.KDA,)))
 
 
+def test_rms_rows_compiles_and_passes_the_audit(cutlass_available, tmp_path):
+    """KernelPlan.rms_rows: the RMSNORM body normalizes that many rows together (their loads
+    issued together, one pair of barriers for their sums). The small plan (an RMSNORM task of 4
+    rows) compiles for sm_90a and passes the PTX audit at 2 and 4, the default render has none
+    of it, and other counts are refused. (The GPU body cases run it against the registry.)"""
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    for n in (2, 4):
+        plan = small_plan(rms_rows=n)
+        rep = audit_plan(plan, tmp_path / str(n))
+        assert rep.ok, (n, rep.violations)
+        assert f"RMS_ROWS = {n}\n" in render(plan)
+    assert "RMS_ROWS" not in render(small_plan())
+    with pytest.raises(ValueError, match="rms_rows"):
+        small_plan(rms_rows=3)
+
+
 def test_lean_row_smem_compiles_and_passes_the_audit(cutlass_available, tmp_path):
     """KernelPlan.lean_row_smem: the whole row is copied into shared memory (16-byte cp.async, 13
     per row of 26 words) and the bodies read their words from a stride-0 view of it; the kernel

@@ -532,6 +532,12 @@ class KernelPlan:
     # B = 1: 4 and 2 both -2.0% (control -0.0%), so lower.py's batch-1 plans take 4; 8 here
     # and at B > 1 (not timed there, where a row has B times the elements).
     ew_unroll: int = 8
+    # RMSNORM body (stop 29, 1 = off until timed): rows normalized together, their loads issued
+    # together and their CTA sums sharing one pair of barriers. One row at a time, a row costs
+    # ~1.1 us of round trips and barriers whatever its width: the layer-0 input norm that every
+    # CTA runs as a prologue took 17.4 us at B = 16 (16 rows) on slice4's critical path, stop
+    # 29's profile. The same sums in the same order: the same bits. 4 rows: 32 registers of bf16.
+    rms_rows: int = 1
     # EW body: an element index's (batch row, column) by a per-row magic multiply and shift
     # instead of an integer division per element (the same values). Stop 26, off until timed:
     # part of the code-size probe (the EW body is 182 of the K3 kernel's 336 KB at B = 1).
@@ -639,6 +645,8 @@ class KernelPlan:
             big = [t.task_id for t in self.tasks if t.opcode == Opcode.EW and self.batch * max(t.n1 - t.n0, 1) >= 1 << 30]
             if big:
                 raise ValueError(f"ew_fast_div: EW rows of tasks {big[:4]} have 2^30 elements or more")
+        if self.rms_rows not in (1, 2, 4, 8):
+            raise ValueError(f"rms_rows {self.rms_rows} must be 1, 2, 4 or 8")
         if self.ew_unroll not in (2, 4, 8):
             raise ValueError(f"ew_unroll {self.ew_unroll} must be 2, 4 or 8")
         if self.weight_evict_first not in ("", "experts", "all"):
