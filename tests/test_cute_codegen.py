@@ -651,60 +651,22 @@ def test_signal_tid_compiles_and_passes_the_audit(cutlass_available, tmp_path):
         small_plan(signal_tid=1)
 
 
-@pytest.mark.parametrize("field,marker", [
-    ("router_late_scores", "mw = _i32(mine[1])"),
-    ("router_loads_together", "bias[i] = _scalar(Float32"),
-    ("router_tree_scan", "tv, ti = _router_tree_best(corr, lane)")])
-def test_router_fields_compile_and_pass_the_audit(cutlass_available, tmp_path, field, marker):
-    """The ROUTER body's stop-29 fields: router_late_scores (each pick's logit loaded once, after
-    the k rounds of the warp argmax, lane r its own pick's), router_loads_together (every logit
-    and bias load before the sigmoids) and router_tree_scan (a lane's best score per round by a
-    pairwise tree). A kernel with a ROUTER body and the field on compiles for sm_90a and passes
+@pytest.mark.parametrize("field,value,marker", [
+    ("router_late_scores", True, "mw = _i32(mine[1])"),
+    ("router_compact", 4, "sm[base + 32 * (g * ROUTER_GROUP + j)] = sv")])
+def test_router_fields_compile_and_pass_the_audit(cutlass_available, tmp_path, field, value, marker):
+    """The ROUTER body's fields: router_late_scores (stop 29: each pick's logit loaded once, after
+    the k rounds of the warp argmax, lane r its own pick's) and router_compact (stop 30: the
+    scores by a loop over passes of 4 experts, parked in shared scratch). A kernel with a ROUTER body and the field on compiles for sm_90a and passes
     the PTX audit, and only the field's render has its code. (The GPU body test runs them
     against the registry's router: tests/gpu/test_cute_bodies.py, its cut cases.)"""
     from fusec.backends.cute.ptx_audit import audit_plan
 
-    plan = small_plan(extra_opcodes=(Opcode.ROUTER,), **{field: True})
+    plan = small_plan(extra_opcodes=(Opcode.ROUTER,), **{field: value})
     rep = audit_plan(plan, tmp_path / field)
     assert rep.ok, rep.violations
     assert marker in render(plan)
     assert marker not in render(small_plan(extra_opcodes=(Opcode.ROUTER,)))
-
-
-def test_kda_prefetch_compiles_and_passes_the_audit(cutlass_available, tmp_path):
-    """KernelPlan.kda_prefetch: the KDA body copies item i + 1's state by cp.async into a
-    shared-memory buffer (4-byte copies, each thread the words it reads) while item i computes.
-    A kernel with a KDA body compiles for sm_90a and passes the PTX audit with it (and with the
-    state's evict_first policy, where the copies carry the cache hint), its PTX has the copies,
-    and the default render has none of it. (The GPU body test runs it against the registry.)"""
-    from fusec.backends.cute.ptx_audit import audit_plan
-
-    for i, kw in enumerate(({"kda_prefetch": True}, {"kda_prefetch": True, "kda_state_evict_first": True})):
-        plan = small_plan(extra_opcodes=(Opcode.KDA,), **kw)
-        rep = audit_plan(plan, tmp_path / str(i))
-        assert rep.ok, (kw, rep.violations)
-        ptx = next((tmp_path / str(i)).rglob("*.ptx")).read_text()
-        hint = "cp.async.ca.shared.global.L2::cache_hint" in ptx
-        assert "cp.async.ca.shared.global" in ptx and hint == ("kda_state_evict_first" in kw)
-        assert "_kda_fetch(item + 1" in render(plan)
-    assert "_kda_fetch(" not in render(small_plan(extra_opcodes=(Opcode.KDA,)))
-
-
-def test_rms_rows_compiles_and_passes_the_audit(cutlass_available, tmp_path):
-    """KernelPlan.rms_rows: the RMSNORM body normalizes that many rows together (their loads
-    issued together, one pair of barriers for their sums). The small plan (an RMSNORM task of 4
-    rows) compiles for sm_90a and passes the PTX audit at 2 and 4, the default render has none
-    of it, and other counts are refused. (The GPU body cases run it against the registry.)"""
-    from fusec.backends.cute.ptx_audit import audit_plan
-
-    for n in (2, 4):
-        plan = small_plan(rms_rows=n)
-        rep = audit_plan(plan, tmp_path / str(n))
-        assert rep.ok, (n, rep.violations)
-        assert f"RMS_ROWS = {n}\n" in render(plan)
-    assert "RMS_ROWS" not in render(small_plan())
-    with pytest.raises(ValueError, match="rms_rows"):
-        small_plan(rms_rows=3)
 
 
 def test_lean_row_smem_compiles_and_passes_the_audit(cutlass_available, tmp_path):

@@ -128,15 +128,20 @@ class Lowered:
             for field, value in (("spin_first", True), ("spin_err_every", 16), ("signal_tid", 32),
                                  ("lean_row_smem", True)):
                 kw.setdefault(field, value)
-        # Batch 1 (stop 29): the ROUTER's picks' scores loaded after its argmax rounds, MXFP4 DOWN
-        # chunks 4 in flight and the EW body at 4 loads per thread (half its code per instance):
-        # slice4 on the H200 with an A/A control (5 rounds, logits bit for bit the same): the
-        # three together 2612 -> 2554 us (-2.2%); alone -0.8%, -0.3% and -2.0% (ew_unroll=2:
-        # -2.0% too), control -0.0%
-        # (docs/results/plan_variants_h200_slice4_b1_*_stop29.log). Not timed at B > 1.
+        # Stop 29, timed at batch 1 (slice4 on the H200, A/A control, logits bit for bit the same):
+        # the ROUTER's picks' scores loaded after its argmax rounds, MXFP4 DOWN chunks 4 in
+        # flight and the EW body at 4 loads per thread (half its code per instance): together
+        # 2612 -> 2554 us (-2.2%); alone -0.8%, -0.3% and -2.0%, control -0.0%
+        # (docs/results/plan_variants_h200_slice4_b1_*_stop29.log). Stop 30: the ROUTER's score
+        # loop compact (router_compact=4): B = 1 2572 -> 2553 us (-0.8%, control +0.1%); at
+        # B = 16 ew_unroll=4 -2.7% (6094 -> 5930 us, control +0.8%) and the two ROUTER fields
+        # -0.3% (noise: the router is off B = 16's path), logits the same bits
+        # (docs/results/plan_variants_h200_slice4_b*_stop30.log); so those three at every batch
+        # (B = 4 not timed; its GPU model tests pass), the DOWN unroll at batch 1 only.
+        for field, value in (("router_late_scores", True), ("router_compact", 4), ("ew_unroll", 4)):
+            kw.setdefault(field, value)
         if self.batch == 1:
-            for field, value in (("router_late_scores", True), ("expert_mx_down_unroll", 4), ("ew_unroll", 4)):
-                kw.setdefault(field, value)
+            kw.setdefault("expert_mx_down_unroll", 4)
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)

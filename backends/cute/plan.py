@@ -440,15 +440,6 @@ class KernelPlan:
     # MB at B = 16) and the MLA PARTIAL's cache copies (4.7 MB a layer at B = 1, 75 MB at B = 16)
     # under the same policy: read once a step, like the weights. Stop 26, off until timed.
     kda_state_evict_first: bool = False
-    # KDA (stop 29, off until timed): item i + 1's state copied by cp.async into a shared-memory
-    # buffer (two of D x D fp32; each thread copies the words it later reads, so no barrier) and
-    # its vectors loaded into registers while item i is computed, so an item's round trip
-    # overlaps the one before's work. At B = 16 a CTA runs ~12 items a layer at ~4.9 us, one
-    # round trip then the math (54-57 us a KDA layer on slice4's critical path, stop 29's
-    # profile). Holding the next state in registers instead spilled the whole kernel (32 more
-    # live a thread: slice4 B = 16's SASS 100 LDL / 64 STL -> 248 / 268). Same operations on the
-    # same values: the same bits. Items of one task only (after its wait).
-    kda_prefetch: bool = False
     mla_cache_evict_first: bool = False
     # EXPERT_BF16 weight streaming: "regs" (16-byte register loads, UNROLL chunks in flight) or
     # "ring" (cp.async.bulk into a per-warp shared-memory ring, expert_ring; no registers hold the
@@ -529,15 +520,9 @@ class KernelPlan:
     # a few thousand elements and their length follows the size of their math's code (SiTU-GLU
     # 6.9 us for 1988 columns, ADD 1.6 us for 56), as if fetching cold code cost more than the
     # loads; 4 or 2 halves or quarters every EW instance's code. Stop 29 timed it on slice4 at
-    # B = 1: 4 and 2 both -2.0% (control -0.0%), so lower.py's batch-1 plans take 4; 8 here
-    # and at B > 1 (not timed there, where a row has B times the elements).
+    # B = 1: 4 and 2 both -2.0% (control -0.0%); stop 30 at B = 16: 4 -2.7% (control +0.8%),
+    # so lower.py's plans take 4; 8 here.
     ew_unroll: int = 8
-    # RMSNORM body (stop 29, 1 = off until timed): rows normalized together, their loads issued
-    # together and their CTA sums sharing one pair of barriers. One row at a time, a row costs
-    # ~1.1 us of round trips and barriers whatever its width: the layer-0 input norm that every
-    # CTA runs as a prologue took 17.4 us at B = 16 (16 rows) on slice4's critical path, stop
-    # 29's profile. The same sums in the same order: the same bits. 4 rows: 32 registers of bf16.
-    rms_rows: int = 1
     # EW body: an element index's (batch row, column) by a per-row magic multiply and shift
     # instead of an integer division per element (the same values). Stop 26, off until timed:
     # part of the code-size probe (the EW body is 182 of the K3 kernel's 336 KB at B = 1).
@@ -579,24 +564,23 @@ class KernelPlan:
     # the header copy takes the whole row and the bodies read their words from shared memory.
     # Needs lean_dispatch.
     lean_row_smem: bool = False
-    # ROUTER (stop 29; off here, on in lower.py's batch-1 plans): the picks' sigmoid scores loaded after the k rounds of
+    # ROUTER (stop 29; off here, on in lower.py's plans): the picks' sigmoid scores loaded after the k rounds of
     # the warp argmax, each lane r < k its own pick's logit in one parallel load, instead of the
     # winner's logit loaded again in every round (k dependent L2 round trips: at 896 experts the
     # router row took 27-31 us of slice4's B = 1 critical path in each MoE layer, stop 29's
     # profile, with no weight streaming beside it). The same sigmoid of the same logit: the same
-    # bits. slice4 B = 1 on the H200: -0.8% (control -0.0%); not timed at B > 1.
+    # bits. slice4 B = 1 on the H200: -0.8% (control -0.0%); at B = 16 with router_compact -0.3%.
     router_late_scores: bool = False
-    # ROUTER (stop 29, after the lease; off until timed): a lane's logit and bias loads all issued
-    # before its sigmoids. Each sigmoid's division has a branch that no load was hoisted above,
-    # so the loads of a lane's ROUTER_PER_LANE experts (28 at 896) were each a round trip of
-    # their own (the SASS of slice4 B = 1: load, load, MUFU.EX2, branch, per expert): ~20 us
-    # of the 896-expert router row, where the 128-expert one (4 per lane) took ~7. Same bits.
-    router_loads_together: bool = False
-    # ROUTER (stop 29, after the lease; off until timed): a lane's best score per argmax round
-    # by a pairwise tree (5 dependent compare-selects at 28 scores a lane) instead of a serial
-    # scan (28: the SASS's chain of FSETP -> FSEL per score), 16 rounds per token. Same picks
-    # (the lowest index among equal maxima) unless a score is NaN.
-    router_tree_scan: bool = False
+    # ROUTER (stop 30; 0 = off here, 4 in lower.py's plans): the scores by a loop over passes of this many
+    # experts, each pass's loads issued before its sigmoids, the scores parked in the warp's
+    # slice of the shared scratch, instead of a loop unrolled over the lane's ROUTER_PER_LANE
+    # experts. Why: the 896-expert router row took 27-31 us of slice4's B = 1 step for one token
+    # (the 128-expert one ~7), and neither its loads (issued together: +0.6%) nor its argmax
+    # rounds' scan (a pairwise tree: -0.1%) were the cost (stop 30, slice4 B = 1, control
+    # -0.1%); the unrolled score loop is ~1500 instructions, run once a layer and fetched cold,
+    # as the EW rows' code was (ew_unroll, stop 29). Same operations in the same order: same bits.
+    # With 4 the row is ~520 instructions (~1600 before); slice4 B = 1: -0.8% (control +0.1%).
+    router_compact: int = 0
     # What a waiting CTA prefetches of a GEMV row's tile (stop 27, off until timed). The B = 1
     # profile has no CTA streaming weights for 363 of the step's 3065 us (33 gaps of 1-57 us:
     # ATTN_RES, KDA, router, MLA, the norms), and the PF words' 64 KiB prefix of a tile is the
@@ -645,10 +629,10 @@ class KernelPlan:
             big = [t.task_id for t in self.tasks if t.opcode == Opcode.EW and self.batch * max(t.n1 - t.n0, 1) >= 1 << 30]
             if big:
                 raise ValueError(f"ew_fast_div: EW rows of tasks {big[:4]} have 2^30 elements or more")
-        if self.rms_rows not in (1, 2, 4, 8):
-            raise ValueError(f"rms_rows {self.rms_rows} must be 1, 2, 4 or 8")
         if self.ew_unroll not in (2, 4, 8):
             raise ValueError(f"ew_unroll {self.ew_unroll} must be 2, 4 or 8")
+        if self.router_compact not in (0, 1, 2, 4, 8):
+            raise ValueError(f"router_compact {self.router_compact} must be 0 (off), 1, 2, 4 or 8")
         if self.weight_evict_first not in ("", "experts", "all"):
             raise ValueError(f"weight_evict_first {self.weight_evict_first!r} must be '', 'experts' or 'all'")
         if not 1 <= self.mla_head_tiles <= 4:

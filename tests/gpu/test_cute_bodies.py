@@ -39,8 +39,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     experts at B = 16: experts chosen by more pairs than a group holds take several groups. With
     tiles the expert weights load under the L2 evict_first policy, as the runner builds them
     (KernelPlan.weight_evict_first); without, plainly. The cut cases (cut is True) run the
-    ROUTER with its stop-29 fields on (KernelPlan.router_late_scores, router_loads_together,
-    router_tree_scan)."""
+    ROUTER with its stop-29/30 fields on (KernelPlan.router_late_scores, router_compact)."""
     from fusec.backends.cute.weight_tiles import mx_tile, tile
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -106,8 +105,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
                       batch=batch, threads=256, expert_stream=stream, expert_cols=cols,
                       expert_tiles=tiles, expert_mx_mma=tiles, expert_half_units=cut != "whole",
                       weight_evict_first="experts" if tiles else "",    # the runner's default on tiles
-                      router_late_scores=cut is True, router_loads_together=cut is True,
-                      router_tree_scan=cut is True,
+                      router_late_scores=cut is True, router_compact=4 if cut is True else 0,
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}"
                            f"{'_' + cut if isinstance(cut, str) else ''}")
     rt = Megakernel(plan)
@@ -139,10 +137,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     assert Opcode.ROUTER in plan.opcodes
 
 
-# KernelPlan.kda_state_evict_first, kda_prefetch (the next item's inputs fetched during this
-# item's math: kda_tasks(..., 2, 0) gives tasks of two items, so the prefetch path runs)
-@pytest.mark.parametrize("state_ef,prefetch", [(False, False), (True, False), (False, True), (True, True)])
-def test_kda_attn_res_append_match_registry(state_ef, prefetch):
+@pytest.mark.parametrize("state_ef", [False, True])   # KernelPlan.kda_state_evict_first
+def test_kda_attn_res_append_match_registry(state_ef):
     gen = torch.Generator(device="cuda").manual_seed(3)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     batch, heads, hd, hid = 2, 3, 64, 320
@@ -164,8 +160,7 @@ def test_kda_attn_res_append_match_registry(state_ef, prefetch):
     tasks += wl.attn_res_tasks(srcs, nw, pw, gam, h, y, 1e-5, 1e-6, 10, ptrs=ptrs)
     tasks.append(wl.ew_task(EwOp.APPEND, row, cache, 20, b=cache, c=pos))
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 8), num_events=1,
-                      batch=batch, threads=256, kda_state_evict_first=state_ef, kda_prefetch=prefetch,
-                      name=f"k3b_kda{'_ef' * state_ef}{'_pf' * prefetch}")
+                      batch=batch, threads=256, kda_state_evict_first=state_ef, name=f"k3b_kda{'_ef' * state_ef}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
