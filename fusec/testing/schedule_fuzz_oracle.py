@@ -465,7 +465,6 @@ class Oracle:
 
     # -- compile a schedule into per-task plans --------------------------------------------------
     def _program(self, m: Schedule, changed: set):
-        bufs, R = self.bufs, self.R
         plans = []
         for t in m.tasks:
             if t.id not in changed and t.id < len(self.mat.tasks) and t.id in self._plans:
