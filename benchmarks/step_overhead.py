@@ -43,7 +43,12 @@ def main() -> None:
         torch.cuda.synchronize()
         graph = fstep.runner.kernel.capture_graph()
         loop = 20
+        # the step's whole graph (input clamps, kernel, logits checks) replayed with no host code
+        # around it: step_alone - step_graph is the host's part, step_graph - graph the graph's
+        # small kernels
+        replay = fstep._replay if fstep._replay is not None else (lambda: None)
         t = {"graph": median_us(graph.replay, args.reps),
+             "step_graph": median_us(replay, args.reps),
              "step_alone": median_us(lambda: fstep.step(tok, pos), args.reps),
              "step_loop": median_us(lambda: [fstep.step(tok, pos) for _ in range(loop)], args.reps) / loop}
         host = []
@@ -54,7 +59,8 @@ def main() -> None:
             host.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
         t["step_host"] = sorted(host)[len(host) // 2]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 fstep.step(tok, pos)
             torch.cuda.synchronize()
@@ -66,11 +72,19 @@ def main() -> None:
         print("| device op in one step() | us | calls |\n|---|---|---|")
         for k, us, n in ev[:25]:
             print(f"| {k[:90]} | {us:.1f} | {n} |")
+        # the host side: CPU time of one step() by op (self time, so nested ops are not counted twice)
+        cpu = [(e.key, e.self_cpu_time_total / 5, e.count // 5) for e in prof.key_averages()
+               if e.self_cpu_time_total > 0]
+        cpu.sort(key=lambda x: -x[1])
+        print("| host op in one step() (self) | us | calls |\n|---|---|---|")
+        for k, us, n in cpu[:20]:
+            print(f"| {k[:90]} | {us:.1f} | {n} |")
         rows.append((batch, t))
-    print("\n| B | graph us | step() alone | step() in a loop | step() host us | alone - graph |\n|---|---|---|---|---|---|")
+    print("\n| B | graph us | step's graph | step() alone | step() in a loop | step() host us | alone - graph |"
+          "\n|---|---|---|---|---|---|---|")
     for batch, t in rows:
-        print(f"| {batch} | {t['graph']:.1f} | {t['step_alone']:.1f} | {t['step_loop']:.1f} | {t['step_host']:.1f} | "
-              f"{t['step_alone'] - t['graph']:.1f} |")
+        print(f"| {batch} | {t['graph']:.1f} | {t['step_graph']:.1f} | {t['step_alone']:.1f} | {t['step_loop']:.1f} | "
+              f"{t['step_host']:.1f} | {t['step_alone'] - t['graph']:.1f} |")
 
 
 if __name__ == "__main__":
