@@ -91,6 +91,13 @@ for stage in "$@"; do
                 timeout 280 python3 benchmarks/plan_variants.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
                   --variants "${PLAN_VARIANTS:-expert_stream=ring}" --rounds ${PLAN_ROUNDS:-3} ${PLAN_ARGS:-} 2>&1 | grep -v Warn
               done | tee "$OUT/plan_variants.log" | grep -E "^\||built" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, overhead, mxbody, ncu, ncu-step)"; exit 2 ;;
+    absplit) # one op's seq_split on and off side by side (ab_seq_split.py), one batch per run:
+             # AB_OP=argmax PLAN_BATCHES=1,16 [PLAN_ARGS=--control] SPEED_CONFIG=slice4-e128 bash benchmarks/h200_session.sh absplit
+             pb=${PLAN_BATCHES:-1,16}
+             for b in ${pb//,/ }; do
+               timeout 280 python3 benchmarks/ab_seq_split.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
+                 --op ${AB_OP:-argmax} --rounds ${PLAN_ROUNDS:-5} ${PLAN_ARGS:-} 2>&1 | grep -v Warn
+             done | tee "$OUT/ab_seq_split.log" | grep -E "^\||built|error" ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, absplit, overhead, mxbody, ncu, ncu-step)"; exit 2 ;;
   esac
 done

@@ -81,10 +81,11 @@ class Tiling(enum.Enum):
 
 @dataclass(frozen=True)
 class SeqSplit:
-    """How the tile pass splits an attention over a long cache along the sequence
-    (`OpDef.seq_split`): op `partial` (the op's operands and attributes plus `chunks`) computes
-    one partial result per chunk of the cache rows (operand `cache`, [B, L, ...]), op `combine`
-    merges the partials into the op's result. A chunk has at least `min_rows` cache rows."""
+    """How the tile pass splits an op over a long operand along its dim 1 (`OpDef.seq_split`):
+    an attention along its cache's sequence, the argmax along the vocabulary. Op `partial` (the
+    op's operands and attributes plus `chunks`) computes one partial result per chunk of dim 1
+    of operand `cache` ([B, L, ...]), op `combine` merges the partials into the op's result. A
+    chunk has at least `min_rows` entries of that dim."""
     partial: str
     combine: str
     cache: int
@@ -202,8 +203,8 @@ class OpDef:
     # `make(opname, operands, attrs, name)` builds one op (name None: any fresh name); the last
     # op's result 0 takes over the op's result; the ops returned have no `rewrite` themselves
     rewrite: Callable[[Any, Callable], list] | None = None
-    # an attention over a long cache that the tile pass may split along the sequence into
-    # partials and a combine (`SeqSplit`); None: it runs whole
+    # an op over a long operand (an attention's cache, the argmax's logits) that the tile pass
+    # may split along it into partials and a combine (`SeqSplit`); None: it runs whole
     seq_split: SeqSplit | None = None
     # a constant table made from the attributes (`AttrTable`) that the op reads; None: none
     attr_table: AttrTable | None = None

@@ -22,7 +22,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from fusec.backends.cute.plan import GEMV_TILED, NO_EVENT, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode
+from fusec.backends.cute.plan import GEMV_TILED, NO_EVENT, ArgmaxMode, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode
 from fusec.backends.cute.weight_tiles import mx_untile, tile_weights, untile
 from fusec.ir.quant import MXFP4Tensor
 from fusec.ir.registry import get_op
@@ -149,8 +149,18 @@ class Interp:
                 o = torch.softmax(s, 0) @ vc[:, kv0:kv0 + d].float()
                 self.mat(r.a2, B, h * d, r.ldy)[b, hh * d:(hh + 1) * d] = o.to(torch.bfloat16)
         elif op == Opcode.ARGMAX:
-            x = self.mat(r.a0, r.n1, r.k, r.ldx, bool(r.p1 & F32Flag.A0))[r.n0:].float()
-            self.t(r.a2, torch.int32, (r.n1,), (1,))[r.n0:] = x.argmax(-1).to(torch.int32)
+            if r.sub == ArgmaxMode.COMBINE:     # K chunks' (value, column) pairs, LDX floats a chunk
+                p = self.t(r.a0, torch.float32, (r.k, r.n1, 2), (r.ldx, 2, 1))[:, r.n0:]
+                best = p[..., 0].argmax(0, keepdim=True)          # the first chunk holding the max
+                self.t(r.a2, torch.int32, (r.n1,), (1,))[r.n0:] = p[..., 1].gather(0, best)[0].to(torch.int32)
+            else:
+                x = self.mat(r.a0, r.n1, r.k, r.ldx, bool(r.p1 & F32Flag.A0))[r.n0:].float()
+                if r.sub == ArgmaxMode.PARTIAL:     # the chunk's best value and its column + P0
+                    i = x.argmax(-1, keepdim=True)
+                    pair = torch.cat([x.gather(-1, i), (i + r.p0).float()], -1)
+                    self.t(r.a2, torch.float32, (r.n1, 2), (2, 1))[r.n0:] = pair
+                else:
+                    self.t(r.a2, torch.int32, (r.n1,), (1,))[r.n0:] = x.argmax(-1).to(torch.int32)
         elif op == Opcode.ROUTER:
             lg = self.mat(r.a0, r.n1, r.k, r.ldx, bool(r.p1 & F32Flag.A0))[r.n0:]
             bias = self.t(r.a1, torch.float32, (r.k,), (1,))

@@ -25,7 +25,7 @@ import torch
 from cute_table_interp import Deadlock, interp_on_arena
 from fusec.backends.cute.lower import LoweringError, lower_schedule, unsupported_ops
 from fusec.backends.cute.memory import ALIGN
-from fusec.backends.cute.plan import NO_EVENT, EwOp, ExpertMode, F32Flag, Opcode
+from fusec.backends.cute.plan import NO_EVENT, ArgmaxMode, EwOp, ExpertMode, F32Flag, Opcode
 from fusec.compiler import lower_for_cute
 from fusec.ir.types import Kind
 from fusec.backends.reference.executor import init_state, run_step
@@ -335,6 +335,24 @@ def test_k3_split_sequence_mla_lowers_and_matches():
     chunks = {r.p1 for r in low.rows if r.opcode == Opcode.MLA}
     assert max(chunks) > 1, chunks
     errs, same = _interp_run(g, prog, low, steps=3, seed=1, module=kimi_k3)
+    assert max(errs) == 0.0 and same, errs
+
+
+def test_k3_split_argmax_lowers_and_matches(monkeypatch):
+    """Logits long enough for the argmax split over the vocabulary (argmax_partial per (chunk,
+    batch row) + argmax_combine per batch row; tiny's 16 KB fp32 rows count as long here): the
+    ARGMAX PARTIAL and COMBINE rows, interpreted, give the reference's tokens bit for bit."""
+    from fusec.passes import _units
+    monkeypatch.setattr(_units, "MIN_TASK_BYTES", 8192)
+    g = kimi_k3.build_graph("tiny")
+    prog, low = lower_for_cute(g, 2, L)
+    ops = [op for op in prog.graph.ops if op.opname.startswith("argmax")]
+    assert [op.opname for op in ops] == ["argmax_partial", "argmax_combine"] and ops[0].attrs["chunks"] == 4
+    rows = [r for r in low.rows if r.opcode == Opcode.ARGMAX]
+    parts = [r for r in rows if r.sub == ArgmaxMode.PARTIAL]
+    assert len(parts) == 4 * 2 and len(rows) - len(parts) == 2      # a task per (chunk, row), per row
+    assert sorted({(r.p0, r.p0 + r.k) for r in parts}) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    errs, same = _interp_run(g, prog, low, steps=3, seed=2, module=kimi_k3)
     assert max(errs) == 0.0 and same, errs
 
 

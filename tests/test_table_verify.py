@@ -68,6 +68,17 @@ def test_clean_tables_are_accepted(model, batch, max_len, kw):
     assert _verdict(low, base=1 << 40) == []       # real device addresses: relocated words
 
 
+def test_split_argmax_table_is_accepted(monkeypatch):
+    """The ARGMAX PARTIAL / COMBINE rows' footprints (the chunk's columns, the pairs' slab) match
+    the Schedule's regions of argmax_partial / argmax_combine."""
+    from fusec.passes import _units
+    monkeypatch.setattr(_units, "MIN_TASK_BYTES", 8192)
+    low = _lower(kimi_k3, 2)
+    assert any(t.body_kind == "argmax_partial" for t in low.schedule.tasks)
+    assert _verdict(low) == []
+    assert _verdict(low, base=1 << 40) == []
+
+
 def _rows(low):
     return list(low.plan(base=0).tasks)
 

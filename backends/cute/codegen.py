@@ -21,7 +21,7 @@ import jinja2
 from fusec.passes.target import GPUS
 
 from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ATTN_RES_VECS, ERR_WORDS, MLA_MAX_CHUNKS,
-                   MLA_MAX_LORA, MLA_MAX_ROPE, MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS,
+                   MLA_MAX_LORA, MLA_MAX_ROPE, ArgmaxMode, MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS,
                    PF_LOOKAHEAD, ROUTER_MAX_TOPK, ROW_WORDS, ROW_WORDS_RANKS, CommOp, ErrWord, EwOp, ExpertMode,
                    F32Flag, KernelPlan, Opcode, RankWord, ScopeCode, Word)
 from .weight_tiles import MX_DECODE_PTX, MX_FACTOR
@@ -66,6 +66,7 @@ def render(plan: KernelPlan) -> str:
         mx_factor=[hex(v) for v in MX_FACTOR],
         attn_max_d=ATTN_MAX_HEAD_DIM,
         mla_modes=list(MlaMode),
+        argmax_modes=list(ArgmaxMode),
         prof_offset_words=PROF_OFFSET_WORDS,
         prof_fields=PROF_FIELDS,
     )

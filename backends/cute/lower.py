@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from fusec.ir.graph import Op
 from fusec.ir.ops.comm import group_index
+from fusec.ir.ops.core import argmax_chunk
 from fusec.ir.registry import REGISTRY, Trait
 from fusec.ir.schedule import InstrKind, Schedule, Scope, Task
 from fusec.ir.types import DType, Kind, TensorType
@@ -42,7 +43,7 @@ from .lowerings import LOWERINGS, OpCtx, lowers, supported
 from .memory import MemoryPlan, View, build_memory_plan, itemsize
 from .prefetch import add_weight_prefetch, check_prefetch
 from .table_verify import check_plan
-from .plan import (H200_SMS, NO_EVENT, CommOp, EwOp, F32Flag, KernelPlan, Opcode, ScopeCode, TaskRow, f32_bits,
+from .plan import (H200_SMS, NO_EVENT, ArgmaxMode, CommOp, EwOp, F32Flag, KernelPlan, Opcode, ScopeCode, TaskRow, f32_bits,
                    f32_pair)
 
 # IR op -> EW sub-opcode for the two-operand / one-operand elementwise epilogues.
@@ -662,6 +663,29 @@ class _TaskLowering(MixerLowering):
         return [(TaskRow(Opcode.ARGMAX, t.id, a0=off(ins[0]), a2=off(out), n0=b0, n1=b1,
                          k=x.shape[-1], ldx=x.row_stride,
                          p1=int(F32Flag.A0) if x.dtype is DType.f32 else 0), ("a0", "a2"))]
+
+    @lowers('argmax_partial')
+    def _lower_argmax_partial(self, c: OpCtx):
+        """ARGMAX PARTIAL: the task's chunk of the columns (argmax_chunk) for its batch rows."""
+        t, ins, out, view, off = c.t, c.ins, c.out, c.view, c.off
+        (c0, c1), (b0, b1) = t.tile[0], t.tile[1]
+        x, pv = view(ins[0]), view(out)
+        if c1 != c0 + 1:
+            raise self.error(f"argmax_partial %{c.out}: a task takes one chunk, not {c0}..{c1}")
+        lo, hi = argmax_chunk(x.shape[-1], int(c.at["chunks"]), c0)
+        return [(TaskRow(Opcode.ARGMAX, t.id, a0=off(ins[0]) + lo * itemsize(x.dtype),
+                         a2=off(out) + c0 * pv.shape[1] * 2 * 4, n0=b0, n1=b1, k=hi - lo, ldx=x.row_stride,
+                         p0=lo, p1=int(F32Flag.A0) if x.dtype is DType.f32 else 0, sub=ArgmaxMode.PARTIAL),
+                 ("a0", "a2"))]
+
+    @lowers('argmax_combine')
+    def _lower_argmax_combine(self, c: OpCtx):
+        """ARGMAX COMBINE: the best of the S chunks' pairs of the task's batch rows."""
+        t, ins, out, view, off = c.t, c.ins, c.out, c.view, c.off
+        b0, b1 = self._rows(c.t)
+        S, B, _ = view(ins[0]).shape
+        return [(TaskRow(Opcode.ARGMAX, t.id, a0=off(ins[0]), a2=off(out), n0=b0, n1=b1, k=S, ldx=2 * B,
+                         p1=int(F32Flag.A0), sub=ArgmaxMode.COMBINE), ("a0", "a2"))]
 
     # -- helpers shared with lower_mixers -----------------------------------------------------
     def error(self, msg: str) -> LoweringError:

@@ -197,8 +197,13 @@ class Opcode(enum.IntEnum):
                P2 = H / KVH (query heads per kv head), pos A4 int32 [B] read after the wait
                (rows 0..pos[b] inclusive), out A2 bf16 [B, LDY], AUX = f32_pair(scale),
                K = head dim (a multiple of 32, <= ATTN_MAX_HEAD_DIM).
-    ARGMAX     greedy token (IR op argmax): one warp per row b in N0..N1 of x A0 fp32 [B, LDX]
-               (bf16 when P1 has no F32Flag.A0), K columns, lowest index wins ties -> A2 int32 [B].
+    ARGMAX     greedy token, the CTA per row b in N0..N1, lowest index wins ties (`ArgmaxMode` in
+               SUB). WHOLE (IR op argmax): x A0 fp32 [B, LDX] (bf16 when P1 has no
+               F32Flag.A0), K columns -> A2 int32 [B]. PARTIAL (argmax_partial): the same over
+               the K columns of one chunk (A0 already at its first column, P0 = that column) ->
+               A2 fp32 [B, 2] pairs (largest value, its column P0 + j as fp32; A2 at the chunk's
+               slab). COMBINE (argmax_combine): the K = S chunks' pairs of A0 fp32 [S, LDX / 2,
+               2] (LDX floats per chunk) -> A2 int32 [B].
     COMM       one side of a collective over a group of G = P2 ranks (multi-rank tables only;
                passes/_collectives.py), `CommOp` in SUB, columns N0..N1 of every batch row,
                P1 = `F32Flag` (A0: operand and slots fp32, OUT: output fp32; else bf16):
@@ -309,6 +314,14 @@ MLA_MAX_LORA = 512
 MLA_MAX_ROPE = 64
 MLA_MAX_CHUNKS = 1024  # COMBINE keeps one weight per chunk in shared memory
 ATTN_MAX_HEAD_DIM = 128
+
+
+class ArgmaxMode(enum.IntEnum):
+    """SUB word of ARGMAX rows."""
+
+    WHOLE = 0    # per batch row: the whole row's greedy token
+    PARTIAL = 1  # per (chunk of columns, batch rows): [largest value, its column] fp32 pairs
+    COMBINE = 2  # per batch row: the best of the chunks' pairs
 
 
 class MlaMode(enum.IntEnum):
@@ -718,8 +731,9 @@ class KernelPlan:
             if t.opcode == Opcode.ATTN_RES and (t.k % 8 or t.ldx % 8 or t.ldy % 8 or t.a0 % 8):
                 raise ValueError(f"task {t.task_id}: ATTN_RES needs width and row strides multiples of 8 "
                                  "(16-byte rows) and an 8-byte aligned source table")
-            if t.opcode == Opcode.ARGMAX and t.ldx % 8:
-                raise ValueError(f"task {t.task_id}: ARGMAX needs a row stride multiple of 8 (16-byte rows)")
+            if t.opcode == Opcode.ARGMAX and t.sub != ArgmaxMode.COMBINE and (t.ldx % 8 or t.a0 % 16):
+                raise ValueError(f"task {t.task_id}: ARGMAX needs a row stride multiple of 8 and a 16-byte "
+                                 "aligned first column (16-byte rows)")
             if t.opcode == Opcode.ATTENTION and not (0 < t.k <= ATTN_MAX_HEAD_DIM and t.k % 32 == 0):
                 raise ValueError(f"task {t.task_id}: attention head dim {t.k} must be a multiple of 32 "
                                  f"up to {ATTN_MAX_HEAD_DIM}")

@@ -3,7 +3,7 @@
 The memory-order verifier (passes/memory_order.py) proves the Schedule's LOAD / WAIT / STORE /
 SIGNAL lines race-free; the kernel reads none of them. It walks the int64 rows of the task table
 (`KernelPlan.table_words()`, the words uploaded to the GPU). This module decodes those words back,
-from the documented row layout (`plan.Word` and the `Opcode` / `EwOp` / `ExpertMode` / `MlaMode`
+from the documented row layout (`plan.Word` and the `Opcode` / `EwOp` / `ExpertMode` / `MlaMode` / `ArgmaxMode`
 docstrings in plan.py, the same source tests/cute_table_interp.py restates), never from the
 lowering's own data structures:
 
@@ -64,7 +64,7 @@ from fusec.ir.types import DType, Kind
 from .byte_sets import (INTER, MINUS, UNION, ByteSpace, Operand, bands_op, count_ranges, highest, left, meets,
                         merged, set_op, union_all)
 from .memory import MemoryPlan, itemsize
-from .plan import NO_EVENT, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, RankWord, ScopeCode, Word
+from .plan import NO_EVENT, ArgmaxMode, CommOp, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, RankWord, ScopeCode, Word
 from .prefetch import prefetch_hull
 
 
@@ -313,8 +313,13 @@ def footprint(w, B: int, base: int, arena: _Arena, consts: dict, peer_bases=None
             R.append([(at(4) + 4 * b, at(4) + 4 * b + 4)])
             Wr.append(_rows(at(2), 2, [b], ldy, h * D, (h + 1) * D))
     elif op == Opcode.ARGMAX:
-        R.append(_rows(at(0), _f32(p1, F32Flag.A0), range(n0, n1), ldx, 0, K))
-        Wr.append([(at(2) + 4 * n0, at(2) + 4 * n1)])
+        if sub == ArgmaxMode.COMBINE:       # K chunks' pairs of rows n0..n1, LDX floats a chunk
+            R.append(_rows(at(0), 4, range(K), ldx, 2 * n0, 2 * n1))
+            Wr.append([(at(2) + 4 * n0, at(2) + 4 * n1)])
+        else:
+            R.append(_rows(at(0), _f32(p1, F32Flag.A0), range(n0, n1), ldx, 0, K))
+            pair = 8 if sub == ArgmaxMode.PARTIAL else 4
+            Wr.append([(at(2) + pair * n0, at(2) + pair * n1)])
     elif op == Opcode.COMM:
         ea, eo, G = _f32(p1, F32Flag.A0), _f32(p1, F32Flag.OUT), p2
         R.append(_rows(at(0), ea, allb, ldx, n0, n1))

@@ -3,7 +3,7 @@ shape plumbing and greedy sampling."""
 from __future__ import annotations
 
 from .._lazy import LazyModule
-from ..registry import Attr, AttrKind, Cost, OpDef, Tiling, Trait, act, register, default_cost
+from ..registry import Attr, AttrKind, Cost, OpDef, SeqSplit, Tiling, Trait, act, register, default_cost
 from ..types import DType
 from ._util import dtype_attr, f32, need, need_dim, need_dtype, need_rank
 
@@ -273,6 +273,75 @@ def _argmax_infer(ts, at):
     return [act(ts[0].shape[:-1], DType.i32)]
 
 
+# Columns per argmax chunk at least (split over the vocabulary by the tile pass): a few KB of
+# logits per task, so a chunk is one or two rounds of a CTA's 16-byte loads.
+ARGMAX_MIN_CHUNK = 1024
+
+
+def argmax_chunk(n: int, chunks: int, c: int) -> tuple[int, int]:
+    """Columns [start, end) of chunk c of a row of n cut into `chunks` parts of whole 8-column
+    groups (16-byte aligned starts for fp32 and bf16 rows; the last chunk takes the tail)."""
+    g = -(-n // 8)
+    return min(n, 8 * (c * g // chunks)), min(n, 8 * ((c + 1) * g // chunks))
+
+
 register(OpDef("argmax", ("x",), ("idx",), _argmax_infer,
                lambda a, at: [f32(a[0]).argmax(-1).to(torch.int32)], traits=frozenset({Trait.tokenwise}),
-               tile_epilogue=False, doc="greedy next token"))
+               tile_epilogue=False,
+               seq_split=SeqSplit("argmax_partial", "argmax_combine", cache=0, min_rows=ARGMAX_MIN_CHUNK),
+               doc="greedy next token"))
+
+
+def _argmax_partial_infer(ts, at):
+    (x,) = ts
+    need_rank(x, 2, "argmax_partial", "x [B, N]")
+    need(at["chunks"] >= 1, "argmax_partial", "chunks must be >= 1")
+    return [act((at["chunks"], x.shape[0], 2), DType.f32)]
+
+
+def _argmax_partial_ref(a, at):
+    """Per chunk of columns (argmax_chunk): the largest value and its lowest column, as fp32."""
+    x = f32(a[0])
+    parts = []
+    for c in range(at["chunks"]):
+        lo, hi = argmax_chunk(x.shape[-1], at["chunks"], c)
+        i = x[:, lo:hi].argmax(-1, keepdim=True)
+        parts.append(torch.cat([x[:, lo:hi].gather(-1, i), (i + lo).float()], -1))
+    return [torch.stack(parts, 0)]
+
+
+def _argmax_partial_regions(at, sh, out, full):
+    """obox [c0:c1, b0:b1, 2]: those batch rows' columns of the chunks."""
+    def argmax_partial(obox):
+        n, s = sh[0][1], at["chunks"]
+        cols = (argmax_chunk(n, s, obox[0][0])[0], argmax_chunk(n, s, obox[0][1] - 1)[1])
+        return [(obox[1], cols)]
+    return argmax_partial
+
+
+register(OpDef("argmax_partial", ("x",), ("partials",), _argmax_partial_infer, _argmax_partial_ref,
+               attrs={"chunks": Attr(A.int)}, tiling=Tiling.chunks, tile_epilogue=False,
+               regions=_argmax_partial_regions,
+               doc="argmax over `chunks` slices of the columns (split by the tile pass): per chunk and "
+                   "row [largest value, its lowest column]; argmax_combine picks among them"))
+
+
+def _argmax_combine_infer(ts, at):
+    (p,) = ts
+    need_rank(p, 3, "argmax_combine", "partials [S, B, 2]")
+    need_dim(p.shape[2], 2, "argmax_combine", "partial pairs")
+    return [act((p.shape[1],), DType.i32)]
+
+
+def _argmax_combine_ref(a, at):
+    """The best pair per row: the largest value, on ties the lowest column (chunks are in column
+    order, so this is the whole row's argmax)."""
+    p = f32(a[0])
+    best = p[..., 0].argmax(0, keepdim=True)                     # [1, B]: the first chunk holding the max
+    return [p[..., 1].gather(0, best)[0].to(torch.int32)]
+
+
+register(OpDef("argmax_combine", ("partials",), ("idx",), _argmax_combine_infer, _argmax_combine_ref,
+               traits=frozenset({Trait.tokenwise}), tile_epilogue=False,
+               regions=lambda at, sh, out, full: lambda obox: [(full[0][0], obox[0], full[0][2])],
+               doc="merge argmax_partial's pairs: the row's greedy token"))

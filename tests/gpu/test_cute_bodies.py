@@ -10,7 +10,9 @@ pytestmark = pytest.mark.gpu
 from _needs_cute import torch  # noqa: E402  (skips this module without CUDA or the CuTe DSL)
 
 from fusec.testing import cute_workloads as wl  # noqa: E402
-from fusec.backends.cute.plan import EwOp, KernelPlan, Opcode, round_robin_queues  # noqa: E402
+from fusec.backends.cute.plan import (ArgmaxMode, EwOp, F32Flag, KernelPlan, Opcode, TaskRow,  # noqa: E402
+                                      round_robin_queues)
+from fusec.ir.ops.core import argmax_chunk  # noqa: E402
 from fusec.backends.cute.runtime import Megakernel  # noqa: E402
 from fusec.ir.quant import MXFP4Tensor  # noqa: E402
 from fusec.ir.registry import get_op  # noqa: E402
@@ -276,3 +278,32 @@ def test_mla_split_sequence_matches_registry(batch, h, length, chunks, combine):
     o_ref = ref("attention_combine", (p_ref,))[0]
     assert wl.rel_err(out, o_ref) < 2e-2
     assert wl.rel_err(out, ref("mla_attention", (q_lat, q_pe, cache, pos), **at)[0]) < 2e-2
+
+
+@pytest.mark.parametrize("batch,dtype,vocab,chunks", [(1, "f32", 163840, 132), (16, "f32", 163840, 8),
+                                                      (4, "bf16", 5000, 7)])
+def test_argmax_split_matches_registry(batch, dtype, vocab, chunks):
+    """ARGMAX PARTIAL over argmax_chunk's column ranges (one row per (chunk, batch rows)), then
+    COMBINE per batch row, against the registry's argmax_partial (bit for bit: a max is exact)
+    and the whole row's argmax; row 0 holds the max twice, in chunk 0 and the last chunk, and
+    the lower column wins. (The combine runs as a second launch: the rows here have no events.)"""
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    x = torch.randn(batch, vocab, device="cuda", generator=gen).to(torch.float32 if dtype == "f32" else BF)
+    x[0, 17] = x[0, vocab - 3] = 100.0
+    parts = torch.full((chunks, batch, 2), float("nan"), device="cuda")
+    out = torch.full((batch,), -1, dtype=torch.int32, device="cuda")
+    es, fl = x.element_size(), int(F32Flag.A0) if dtype == "f32" else 0
+    rows = []
+    for c in range(chunks):
+        lo, hi = argmax_chunk(vocab, chunks, c)
+        rows.append(TaskRow(Opcode.ARGMAX, c, a0=x.data_ptr() + lo * es, a2=parts.data_ptr() + c * batch * 8,
+                            n0=0, n1=batch, k=hi - lo, ldx=vocab, p0=lo, p1=fl, sub=ArgmaxMode.PARTIAL))
+    comb = [TaskRow(Opcode.ARGMAX, chunks + b, a0=parts.data_ptr(), a2=out.data_ptr(), n0=b, n1=b + 1, k=chunks,
+                    ldx=2 * batch, p1=int(F32Flag.A0), sub=ArgmaxMode.COMBINE) for b in range(batch)]
+    for tasks in (rows, comb):
+        rt = Megakernel(KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), 16), num_events=1,
+                                   batch=batch, threads=256, name="argmax_split"))
+        rt.step()
+        rt.check()
+    assert torch.equal(parts, ref("argmax_partial", (x,), chunks=chunks)[0])
+    assert torch.equal(out, x.float().argmax(-1).to(torch.int32)) and int(out[0]) == 17

@@ -1,0 +1,90 @@
+"""Time one op's split over its long operand (`OpDef.seq_split`, the tile pass) on and off, side by side.
+
+    python benchmarks/ab_seq_split.py --config slice4 --batch 1 --op argmax [--rounds 5] [--control]
+
+Two (three with --control) builds of the same config through `fusec.compile(..., backend="cute",
+device="cuda")`: the default, and one compiled with the op's registry entry lacking its
+`seq_split` (the op runs whole, as before the split existed; the entry is restored after that
+compile). Same seeded weights, fresh state, the same tokens at position max_len - 1: the first
+step's logits and next tokens of the two builds are compared (a split that changes numbers is a
+bug). Then each build's megakernel is timed as CUDA-graph replays in interleaved rounds, the
+order rotated by one build each round; a round is the median of `reps` replays, the row the
+median round. --control builds the default a second time (its row is the run's noise floor).
+The pipeline decision cannot be a KernelPlan field (the split changes the graph and the task
+table), which is why plan_variants.py cannot time it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import torch
+
+import fusec
+from _plan_args import plan_config_args  # benchmarks/_plan_args.py
+from _timing import median_us  # benchmarks/_timing.py (this script's folder)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    plan_config_args(ap)
+    ap.add_argument("--op", default="argmax", help="the op whose seq_split is turned off in the other build")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--control", action="store_true", help="also time the default built again (an A/A row)")
+    args = ap.parse_args()
+    from fusec.ir.registry import REGISTRY
+    import fusec.models as m
+
+    if args.op not in REGISTRY or REGISTRY[args.op].seq_split is None:
+        raise SystemExit(f"ab_seq_split: error: op {args.op!r} has no seq_split")
+    model = os.path.join(os.path.dirname(m.__file__), "kimi_k3.py")
+
+    def build(split: bool):
+        t0 = time.perf_counter()
+        saved = REGISTRY[args.op]
+        if not split:
+            REGISTRY[args.op] = dataclasses.replace(saved, seq_split=None)
+        try:
+            f = fusec.compile(model, args.config, backend="cute", batch=args.batch, max_len=args.max_len,
+                              device="cuda")
+        finally:
+            REGISTRY[args.op] = saved
+        ops = sum(op.opname == args.op for op in f.runner.program.graph.ops)
+        print(f"  {'split' if split else 'whole'}: built in {time.perf_counter() - t0:.1f} s, "
+              f"{ops} {args.op} op(s) left whole, {len(f.runner.plan.tasks)} rows", flush=True)
+        return f
+
+    names = ["split (default)", f"{args.op} whole"] + (["split (rebuilt)"] if args.control else [])
+    runs = {n: build(not n.endswith("whole")).runner for n in names}
+    g = torch.Generator().manual_seed(args.batch)
+    vocab = next(iter(runs.values())).program.graph.outputs[0].type.shape[-1]
+    tok = torch.randint(0, vocab, (args.batch,), generator=g, dtype=torch.int32).cuda()
+    pos = torch.full((args.batch,), args.max_len - 1, dtype=torch.int32, device="cuda")
+    outs = {}
+    for n, run in runs.items():
+        outs[n] = run.run(tok, pos)
+        run.check()
+    ref_logits, ref_next = outs[names[0]][:2]
+    checks = {}
+    for n, (logits, nxt) in ((n, o[:2]) for n, o in outs.items()):
+        err = float((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max())
+        checks[n] = f"logits rel err {err:.1e}, next tokens {int((nxt == ref_next).sum())}/{nxt.numel()}"
+    graphs = {n: run.kernel.capture_graph() for n, run in runs.items()}
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    for r in range(args.rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            times[n].append(median_us(graphs[n].replay, args.reps))
+            runs[n].kernel.check()
+    base = sorted(times[names[0]])[len(times[names[0]]) // 2]
+    print(f"\n| {args.config} B={args.batch} | step us (median round) | vs default | rounds | check |\n"
+          "|---|---|---|---|---|")
+    for n, ts in times.items():
+        us = sorted(ts)[len(ts) // 2]
+        print(f"| {n} | {us:.0f} | {us / base - 1:+.1%} | {' '.join(f'{t:.0f}' for t in ts)} | {checks[n]} |")
+
+
+if __name__ == "__main__":
+    main()
