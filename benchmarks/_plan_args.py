@@ -13,6 +13,13 @@ def plan_config_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-len", type=int, default=4096)
 
 
+def timing_args(ap: argparse.ArgumentParser, rounds: int) -> None:
+    """--reps, --rounds, --control: the interleaved rounds of `_timing.rotated_rounds`."""
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--control", action="store_true", help="also time the default built again (an A/A row)")
+
+
 def plan_fields(plan, text: str, prog: str) -> dict:
     """'field=value[,field=value]' -> {field: value typed like plan.field}; a bad value exits with
     one `<prog>: error:` line."""

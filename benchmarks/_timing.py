@@ -28,6 +28,32 @@ def median_us(fn, reps: int, cuda: bool = True) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def rotated_rounds(replays: dict, rounds: int, reps: int, before=None, after=None) -> dict[str, list[float]]:
+    """Time every `replays[name]()` in `rounds` interleaved rounds, the order rotated by one
+    each round (the same order every round would put each build at the same place in it: a
+    drift within a round then reads as a difference); a round's time is the median of `reps`
+    calls (median_us). `before(name)` / `after(name)` run around each build's timing, untimed."""
+    names = list(replays)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            if before is not None:
+                before(n)
+            times[n].append(median_us(replays[n], reps))
+            if after is not None:
+                after(n)
+    return times
+
+
+def print_rounds(title: str, times: dict[str, list[float]], checks: dict[str, str]) -> None:
+    """The rounds as a markdown table: each build's median round against the first build's."""
+    med = {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}
+    base = next(iter(med.values()))
+    print(f"\n| {title} | step us (median round) | vs default | rounds | check |\n|---|---|---|---|---|")
+    for n, ts in times.items():
+        print(f"| {n} | {med[n]:.0f} | {med[n] / base - 1:+.1%} | {' '.join(f'{t:.0f}' for t in ts)} | {checks[n]} |")
+
+
 # Bytes written to evict L2 before a cold replay (H200: 50 MB of L2).
 COLD_BYTES = 256 << 20
 

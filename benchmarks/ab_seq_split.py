@@ -23,17 +23,15 @@ import time
 import torch
 
 import fusec
-from _plan_args import plan_config_args  # benchmarks/_plan_args.py
-from _timing import median_us  # benchmarks/_timing.py (this script's folder)
+from _plan_args import plan_config_args, timing_args  # benchmarks/_plan_args.py
+from _timing import print_rounds, rotated_rounds  # benchmarks/_timing.py (this script's folder)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     plan_config_args(ap)
     ap.add_argument("--op", default="argmax", help="the op whose seq_split is turned off in the other build")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--control", action="store_true", help="also time the default built again (an A/A row)")
+    timing_args(ap, rounds=5)
     args = ap.parse_args()
     from fusec.ir.registry import REGISTRY
     import fusec.models as m
@@ -72,18 +70,9 @@ def main() -> None:
     for n, (logits, nxt) in ((n, o[:2]) for n, o in outs.items()):
         err = float((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max())
         checks[n] = f"logits rel err {err:.1e}, next tokens {int((nxt == ref_next).sum())}/{nxt.numel()}"
-    graphs = {n: run.kernel.capture_graph() for n, run in runs.items()}
-    times: dict[str, list[float]] = {n: [] for n in runs}
-    for r in range(args.rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            times[n].append(median_us(graphs[n].replay, args.reps))
-            runs[n].kernel.check()
-    base = sorted(times[names[0]])[len(times[names[0]]) // 2]
-    print(f"\n| {args.config} B={args.batch} | step us (median round) | vs default | rounds | check |\n"
-          "|---|---|---|---|---|")
-    for n, ts in times.items():
-        us = sorted(ts)[len(ts) // 2]
-        print(f"| {n} | {us:.0f} | {us / base - 1:+.1%} | {' '.join(f'{t:.0f}' for t in ts)} | {checks[n]} |")
+    graphs = {n: run.kernel.capture_graph().replay for n, run in runs.items()}
+    times = rotated_rounds(graphs, args.rounds, args.reps, after=lambda n: runs[n].kernel.check())
+    print_rounds(f"{args.config} B={args.batch}", times, checks)
 
 
 if __name__ == "__main__":

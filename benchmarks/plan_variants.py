@@ -25,17 +25,15 @@ import time
 import torch
 
 import fusec
-from _plan_args import plan_config_args, plan_fields  # benchmarks/_plan_args.py
-from _timing import median_us  # benchmarks/_timing.py (this script's folder)
+from _plan_args import plan_config_args, plan_fields, timing_args  # benchmarks/_plan_args.py
+from _timing import print_rounds, rotated_rounds  # benchmarks/_timing.py (this script's folder)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     plan_config_args(ap)
     ap.add_argument("--variants", default="", help="';'-separated 'field=value[,field=value]' plan settings")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--control", action="store_true", help="also time the default plan built again (an A/A row)")
+    timing_args(ap, rounds=3)
     args = ap.parse_args()
     from fusec.backends.cute.runtime import Megakernel
     from fusec.backends.cute.weight_tiles import (expert_mx_regions, expert_weight_regions, gemv_weight_regions,
@@ -105,21 +103,11 @@ def main() -> None:
         checks[v] = f"logits rel err {err:.1e} vs default, next tokens {agree}/{nxt.numel()}"
         print(f"  {v}: built in {time.perf_counter() - t1:.1f} s, {checks[v]}", flush=True)
         builds[v] = mk
-    graphs = {v: mk.capture_graph() for v, mk in builds.items()}
-    times: dict[str, list[float]] = {v: [] for v in builds}
-    order = list(graphs)
-    for r in range(args.rounds):
-        for v in order[r % len(order):] + order[:r % len(order)]:
-            gr = graphs[v]
-            use_layout(tiles_of[v])
-            times[v].append(median_us(gr.replay, args.reps))
-            builds[v].check()
+    graphs = {v: mk.capture_graph().replay for v, mk in builds.items()}
+    times = rotated_rounds(graphs, args.rounds, args.reps, before=lambda v: use_layout(tiles_of[v]),
+                           after=lambda v: builds[v].check())
     use_layout(tiles_of["default"])
-    base = sorted(times["default"])[len(times["default"]) // 2]
-    print(f"\n| {args.config} B={args.batch} | step us (median round) | vs default | rounds | check |\n|---|---|---|---|---|")
-    for v, ts in times.items():
-        us = sorted(ts)[len(ts) // 2]
-        print(f"| {v} | {us:.0f} | {us / base - 1:+.1%} | {' '.join(f'{t:.0f}' for t in ts)} | {checks[v]} |")
+    print_rounds(f"{args.config} B={args.batch}", times, checks)
 
 
 if __name__ == "__main__":
