@@ -100,3 +100,22 @@ def test_op_rejects_bad_shapes_and_attrs():
         g.add_op("sigmoid", [x], {"bogus": 1})
     with pytest.raises(OpError, match="takes 2 operands"):
         g.add_op("add", [x])
+
+
+def test_argmax_split_ops_match_argmax_and_refuse_empty_chunks():
+    """argmax_partial + argmax_combine (the tile pass's split of argmax over the vocabulary) give
+    torch's argmax, ties (within a chunk and across chunks) to the lowest column, for chunk
+    counts that do and do not divide the row; a chunk count with empty chunks is refused."""
+    import torch
+    from fusec.ir.registry import get_op
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0))
+    x[1, 100] = x[1, 4000] = 50.0
+    x[2, 7] = x[2, 9] = 9.0
+    for s in (1, 2, 7, 13, 625):
+        p = get_op("argmax_partial").ref([x], {"chunks": s})[0]
+        assert p.shape == (s, 3, 2)
+        assert torch.equal(get_op("argmax_combine").ref([p], {})[0], x.argmax(-1).to(torch.int32)), s
+    t = TensorType((3, 5000), DType.f32, Kind.act)
+    assert get_op("argmax_partial").infer([t], {"chunks": 625})[0].shape == (625, 3, 2)
+    with pytest.raises(OpError, match="more chunks than 8-column groups"):
+        get_op("argmax_partial").infer([t], {"chunks": 626})

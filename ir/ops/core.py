@@ -296,6 +296,10 @@ def _argmax_partial_infer(ts, at):
     (x,) = ts
     need_rank(x, 2, "argmax_partial", "x [B, N]")
     need(at["chunks"] >= 1, "argmax_partial", "chunks must be >= 1")
+    if isinstance(x.shape[1], int):
+        # every chunk holds a column; a column's index is exact in fp32 below 2**24
+        need(at["chunks"] <= -(-x.shape[1] // 8), "argmax_partial", "more chunks than 8-column groups")
+        need(x.shape[1] <= 1 << 24, "argmax_partial", "columns past 2**24 (indices are fp32)")
     return [act((at["chunks"], x.shape[0], 2), DType.f32)]
 
 
