@@ -1,5 +1,5 @@
-"""What the KernelPlan-variant scripts (plan_variants.py, ptxas_bodies.py) share: the K3 config /
-batch / length arguments, and `field=value` plan settings parsed against the plan's own field
+"""What the KernelPlan-variant scripts (plan_variants.py, ab_seq_split.py, ptxas_bodies.py) share:
+the K3 config / batch / length arguments, the timed builds' parser, and `field=value` plan settings parsed against the plan's own field
 types (bool("False") is True, so bools are parsed by name)."""
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ def plan_config_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-len", type=int, default=4096)
 
 
-def timing_args(ap: argparse.ArgumentParser, rounds: int) -> None:
-    """--reps, --rounds, --control: the interleaved rounds of `_timing.rotated_rounds`."""
+def timed_builds_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The parser of a script that times builds of one config against its default build:
+    plan_config_args and --reps, --rounds, --control (the interleaved rounds of
+    `_timing.rotated_rounds`); the script adds what it varies."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    plan_config_args(ap)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--control", action="store_true", help="also time the default built again (an A/A row)")
+    return ap
 
 
 def plan_fields(plan, text: str, prog: str) -> dict:

@@ -15,7 +15,6 @@ table), which is why plan_variants.py cannot time it.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import time
@@ -23,15 +22,13 @@ import time
 import torch
 
 import fusec
-from _plan_args import plan_config_args, timing_args  # benchmarks/_plan_args.py
+from _plan_args import timed_builds_parser  # benchmarks/_plan_args.py
 from _timing import print_rounds, rotated_rounds  # benchmarks/_timing.py (this script's folder)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    plan_config_args(ap)
+    ap = timed_builds_parser(__doc__, rounds=5)
     ap.add_argument("--op", default="argmax", help="the op whose seq_split is turned off in the other build")
-    timing_args(ap, rounds=5)
     args = ap.parse_args()
     from fusec.ir.registry import REGISTRY
     import fusec.models as m

@@ -17,7 +17,6 @@ short.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import time
@@ -25,15 +24,13 @@ import time
 import torch
 
 import fusec
-from _plan_args import plan_config_args, plan_fields, timing_args  # benchmarks/_plan_args.py
+from _plan_args import plan_fields, timed_builds_parser  # benchmarks/_plan_args.py
 from _timing import print_rounds, rotated_rounds  # benchmarks/_timing.py (this script's folder)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    plan_config_args(ap)
+    ap = timed_builds_parser(__doc__, rounds=3)
     ap.add_argument("--variants", default="", help="';'-separated 'field=value[,field=value]' plan settings")
-    timing_args(ap, rounds=3)
     args = ap.parse_args()
     from fusec.backends.cute.runtime import Megakernel
     from fusec.backends.cute.weight_tiles import (expert_mx_regions, expert_weight_regions, gemv_weight_regions,
