@@ -77,6 +77,18 @@ for stage in "$@"; do
              ${NCU_ARGS:-} > "$OUT/ncu_$kn.log" 2>&1
            grep -v -i warn "$OUT/ncu_$kn.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|L1|L2|==ERR|rror" | head -60
          done ;;
+    ncu-mla) # Nsight Compute on the MLA PARTIAL body alone (mla_partial.py, one step): stalls by reason and
+             # the SASS lines they sample. NCU_BATCH=16 [MLA_VARIANTS=...] bash benchmarks/h200_session.sh ncu-mla
+             timeout 400 ncu --clock-control none --kernel-name regex:kernel_cutlass_mla --launch-skip 1 --launch-count 1 \
+               --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SpeedOfLight \
+               --section SourceCounters --section LaunchStats --section Occupancy \
+               --import-source no -f -o "$OUT/ncu_mla" \
+               python3 benchmarks/mla_partial.py --batches ${NCU_BATCH:-16} --reps 1 --variants "${MLA_VARIANTS:-}" \
+               > "$OUT/ncu_mla_run.log" 2>&1
+             ncu --import "$OUT/ncu_mla.ncu-rep" > "$OUT/ncu_mla.log" 2>&1
+             # per SASS instruction: executed count and stall samples (read offline)
+             ncu --import "$OUT/ncu_mla.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_mla_sass.csv" 2>&1
+             grep -v -i warn "$OUT/ncu_mla.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|Registers|==ERR|rror" | head -70 ;;
     ncu-step) # Nsight Compute on one whole megakernel step (benchmarks/ncu_step.py): what its warps stall on;
               # NCU_CONFIG=slice4-e128 NCU_BATCH=1 [NCU_PLAN="weight_evict_first="] bash benchmarks/h200_session.sh ncu-step
               timeout 400 ncu --clock-control none --kernel-name regex:megakernel --launch-skip 2 --launch-count 1 \
@@ -98,6 +110,6 @@ for stage in "$@"; do
                timeout 280 python3 benchmarks/ab_seq_split.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
                  --op ${AB_OP:-argmax} --rounds ${PLAN_ROUNDS:-5} ${PLAN_ARGS:-} 2>&1 | grep -v Warn
              done | tee "$OUT/ab_seq_split.log" | grep -E "^\||built|error" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, absplit, overhead, mxbody, ncu, ncu-step)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, absplit, overhead, mxbody, ncu, ncu-mla, ncu-step)"; exit 2 ;;
   esac
 done

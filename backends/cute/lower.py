@@ -43,8 +43,8 @@ from .lowerings import LOWERINGS, OpCtx, lowers, supported
 from .memory import MemoryPlan, View, build_memory_plan, itemsize
 from .prefetch import add_weight_prefetch, check_prefetch
 from .table_verify import check_plan
-from .plan import (H200_SMS, NO_EVENT, ArgmaxMode, CommOp, EwOp, F32Flag, KernelPlan, Opcode, ScopeCode, TaskRow, f32_bits,
-                   f32_pair)
+from .plan import (H200_SMS, NO_EVENT, ArgmaxMode, CommOp, EwOp, F32Flag, KernelPlan, MlaMode, Opcode, ScopeCode, TaskRow,
+                   f32_bits, f32_pair)
 
 # IR op -> EW sub-opcode for the two-operand / one-operand elementwise epilogues.
 EW_BINARY = {"add": EwOp.ADD, "sigmoid_mul": EwOp.SIGMOID_MUL, "situ_glu": EwOp.SITU_GLU,
@@ -108,11 +108,18 @@ class Lowered:
         # weights; docs/results/plan_variants_h200_slice4-e128_b16_tiled_stop19.log). Batch 4
         # keeps 4 (not measured on tiles).
         kw.setdefault("unroll", 8 if self.batch == 1 or self.batch > 8 else 4)
-        # MLA partial at batch 1: two m16 head tiles per block (32 heads, two blocks over K3's
-        # 64) measured 3110 against 3156 us with four, logits bit for bit the same; at B = 16
-        # within noise (+0.1%), B = 4 not measured
-        # (docs/results/plan_variants_h200_slice4-e128_mla_stop20.log).
-        kw.setdefault("mla_head_tiles", 2 if self.batch == 1 else 4)
+        # MLA partial at batch 1: two m16 head tiles per block (32 heads) measured 3110 against
+        # 3156 us with four, logits bit for bit the same
+        # (docs/results/plan_variants_h200_slice4-e128_mla_stop20.log). At B > 4 the fewest
+        # blocks, evenly filled (_mla_head_tiles), and the unrolled S = Q K^T: with both, K3's
+        # MLA partial alone (96 heads, 8 chunks of 512 rows) 217 -> 194 us at B = 16, the
+        # slice4-e128 step 7344 -> 7272 us (-1.0%, A/A control +0.2%; tiles alone +0.4%). At
+        # B = 4 the body alone gains too (79 -> 70 us) but the step lost 1.9% (control -0.5%),
+        # at B = 1 unrolled alone -0.1% (control 0.0%); logits bit for bit in every run
+        # (docs/results/plan_variants_h200_slice4-e128_b*_mla_unrolled_stop32.log).
+        wide = self.batch > 4
+        kw.setdefault("mla_head_tiles", _mla_head_tiles(rows) if wide else 2 if self.batch == 1 else 4)
+        kw.setdefault("mla_unrolled", wide)
         # Expert weights under an L2 evict_first policy (at B = 1 the GEMV streams on CUDA cores,
         # which it does not cover): slice4-e128 on the H200, side by side with an A/A control (5
         # rounds), same logits: B = 1 3133 -> 3085 us (-1.5%, control -0.3%), B = 4 -0.3%
@@ -165,6 +172,17 @@ class Lowered:
                 out.append(f"cta {c:3d} row {i:4d} task {r.task_id:4d} {r.opcode.name:<10} "
                            + " ".join(f"{k}={int(v)}" for k, v in fields.items()))
         return "\n".join(out)
+
+
+def _mla_head_tiles(rows) -> int:
+    """m16 head tiles per MLA PARTIAL block at B > 1: the fewest blocks of at most 4 tiles (the
+    output accumulators' registers) for the widest MLA of the table, its tiles spread evenly
+    over them. K3's 96 heads: two blocks of 3 tiles, where 4 + 2 left half the warps idle in
+    the second block's S = Q K^T and spilled (64 B at 4 tiles, none at 3)."""
+    heads = max((r.ldy for r in rows if r.opcode == Opcode.MLA and r.sub == MlaMode.PARTIAL), default=64)
+    tiles = -(-heads // 16)
+    blocks = -(-tiles // 4)
+    return -(-tiles // blocks)
 
 
 def _peer_bases(base: int, peer_bases, ranks: int) -> dict[int, int]:

@@ -519,6 +519,13 @@ class KernelPlan:
     # slice4-e128 step 8076 against 8134 / 5179 against 5196 us (one H200 run,
     # docs/results/mla_partial_h200_stop13.log, cute_speed_h200_slice4-e128_mla_stop13.log).
     mla_head_tiles: int = 4
+    # MLA PARTIAL, stop 32 (off until timed): S = Q K^T's chunk loop unrolled at compile time
+    # when the row is the widest the kernel takes (K3's 576 columns: 18 chunks of 32; no clamped
+    # addresses, no predicated MMAs, loads free to be scheduled ahead), and P V's rescale factors
+    # read once per head tile, not once per (output tile, head tile). The same MMAs in the same
+    # order: the same bits. Nsight Compute on the body alone (B = 16, 96 heads): 0.36 issued
+    # instructions per scheduler cycle, 41% of the stalls on shared-memory loads.
+    mla_unrolled: bool = False
     # MLA COMBINE, stop 25 (off until timed): lora / 2 threads per (b, h) item, the chunk weights
     # computed per thread as it goes, no barrier (the template's MLA_COMB_PAIRS). At B = 16 the
     # CTA-per-item combine was ~53 us on the critical path (stop 20 profile) for ~17 MB of
