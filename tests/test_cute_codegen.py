@@ -500,17 +500,20 @@ def test_mla_unrolled_field(cutlass_available, tmp_path):
     """KernelPlan.mla_unrolled: the MLA PARTIAL's S = Q K^T gains a second, unrolled form for
     rows of the widest width (18 32-column chunks: 36 MMAs in straight-line code, the loop kept
     for narrower rows), compiles for sm_90a and passes the PTX audit; off, the kernel has only
-    the loop's MMAs."""
+    the loop's MMAs. mla_s_split (S split over K) compiles and passes the audit too."""
     from fusec.backends.cute.ptx_audit import audit_plan
 
     base = KernelPlan(tasks=(TaskRow(Opcode.NOP, 0),), queues=((0,),), num_events=1, batch=16,
                       extra_opcodes=(Opcode.MLA,), mla_head_tiles=3, name="mla_unrolled")
     mmas = {}
-    for name, kw in (("off", {}), ("on", dict(mla_unrolled=True))):
+    for name, kw in (("off", {}), ("on", dict(mla_unrolled=True)), ("split", dict(mla_s_split=True))):
         rep = audit_plan(dataclasses.replace(base, **kw), tmp_path / name)
         assert rep.ok, (name, rep.violations)
         mmas[name] = next((tmp_path / name).rglob("*.ptx")).read_text().count("mma.sync.aligned.m16n8k16")
     assert mmas["on"] == mmas["off"] + 36, mmas
+    # mla_s_split: the split loop's MMAs (2 per row tile a chunk; LLVM unrolls that loop) on top
+    # of the loop it bypasses
+    assert mmas["split"] >= mmas["off"] + 8, mmas
 
 
 def test_ew_unroll_is_a_plan_field(cutlass_available, tmp_path):

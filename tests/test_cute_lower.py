@@ -25,7 +25,7 @@ import torch
 from cute_table_interp import Deadlock, interp_on_arena
 from fusec.backends.cute.lower import LoweringError, lower_schedule, unsupported_ops
 from fusec.backends.cute.memory import ALIGN
-from fusec.backends.cute.plan import NO_EVENT, ArgmaxMode, EwOp, ExpertMode, F32Flag, Opcode
+from fusec.backends.cute.plan import NO_EVENT, ArgmaxMode, EwOp, ExpertMode, F32Flag, MlaMode, Opcode, TaskRow
 from fusec.compiler import lower_for_cute
 from fusec.ir.types import Kind
 from fusec.backends.reference.executor import init_state, run_step
@@ -579,3 +579,22 @@ def test_speed_config_tables_verify_with_default_tiles(batch):
     assert opts == {"gemv_tiles": batch > 1, "expert_tiles": True, "expert_mx_mma": False}
     plan = low.plan(base=0, **opts)
     assert plan.gemv_tiles == (batch > 1) and plan.expert_tiles
+
+
+def test_mla_partial_defaults_follow_batch_heads_and_expert_bodies():
+    """Lowered.plan's MLA PARTIAL defaults (measured, backends/cute/lower.py): at B > 4 the head
+    blocks are the fewest of at most 4 m16 tiles, filled evenly, with the unrolled S = Q K^T;
+    at B <= 4, or in a kernel with EXPERT_MXFP4 bodies (whose step lost 5.7% with them), the
+    earlier 2 / 4 tiles and the loop."""
+    from fusec.backends.cute.lower import _mla_head_tiles
+
+    def mla_rows(heads):
+        return [TaskRow(Opcode.MLA, 0, ldy=heads, sub=MlaMode.PARTIAL), TaskRow(Opcode.MLA, 1, ldy=999,
+                                                                                 sub=MlaMode.COMBINE)]
+    assert [_mla_head_tiles(mla_rows(h)) for h in (4, 52, 64, 80, 96, 128, 192)] == [1, 4, 4, 3, 3, 4, 4]
+    assert _mla_head_tiles([]) == 4
+    for dtype, batch, want in (("bf16", 16, (1, True)), ("bf16", 4, (4, False)), ("bf16", 1, (2, False)),
+                               ("mxfp4", 16, (4, False))):
+        _, low = lower_for_cute(kimi_k3.build_graph("tiny", expert_dtype=dtype), batch, L)
+        plan = low.plan()
+        assert (plan.mla_head_tiles, plan.mla_unrolled) == want, (dtype, batch)

@@ -116,8 +116,11 @@ class Lowered:
         # slice4-e128 step 7344 -> 7272 us (-1.0%, A/A control +0.2%; tiles alone +0.4%). At
         # B = 4 the body alone gains too (79 -> 70 us) but the step lost 1.9% (control -0.5%),
         # at B = 1 unrolled alone -0.1% (control 0.0%); logits bit for bit in every run
-        # (docs/results/plan_variants_h200_slice4-e128_b*_mla_unrolled_stop32.log).
-        wide = self.batch > 4
+        # (docs/results/plan_variants_h200_slice4-e128_b*_mla_unrolled_stop32.log). In a kernel
+        # with MXFP4 expert bodies the same change cost the slice4 step at B = 16 5.7% (5851 ->
+        # 6206 us; plan_variants_h200_slice4_b16_mla_unrolled_stop32.log): the kernel is one
+        # function, so a body's code moves the register allocation of the others.
+        wide = self.batch > 4 and not any(r.opcode == Opcode.EXPERT_MXFP4 for r in rows)
         kw.setdefault("mla_head_tiles", _mla_head_tiles(rows) if wide else 2 if self.batch == 1 else 4)
         kw.setdefault("mla_unrolled", wide)
         # Expert weights under an L2 evict_first policy (at B = 1 the GEMV streams on CUDA cores,

@@ -526,6 +526,12 @@ class KernelPlan:
     # order: the same bits. Nsight Compute on the body alone (B = 16, 96 heads): 0.36 issued
     # instructions per scheduler cycle, 41% of the stalls on shared-memory loads.
     mla_unrolled: bool = False
+    # MLA PARTIAL, stop 32 (off until timed): S = Q K^T split over K. Warp (mt, kq) computes head
+    # tile mt against all the stage's rows over a kq-th of the 32-column chunks (the query
+    # fragments read once for the stage's four row tiles: half the shared-memory bytes per MMA
+    # of one m16n8 tile per warp over the whole row), its partial scores to plane kq; the softmax
+    # sums the planes in kq order. Sums in another order: not the same bits.
+    mla_s_split: bool = False
     # MLA COMBINE, stop 25 (off until timed): lora / 2 threads per (b, h) item, the chunk weights
     # computed per thread as it goes, no barrier (the template's MLA_COMB_PAIRS). At B = 16 the
     # CTA-per-item combine was ~53 us on the critical path (stop 20 profile) for ~17 MB of

@@ -243,11 +243,14 @@ def test_kda_family_over_batch_rows_matches_registry(ew_unroll, fast_div):
 # the default, "pairs" KernelPlan.mla_combine_pairs (its online weights meet empty chunks after
 # a full one at 40), "once" mla_combine_weights_once with 16 rows in flight per thread;
 # "cache_ef": the default combine, the partials' cache copies under mla_cache_evict_first;
-# "unrolled": the default combine, the PARTIAL with mla_unrolled and blocks of 3 head tiles.
+# "unrolled": the default combine, the PARTIAL with mla_unrolled and blocks of 3 head tiles;
+# "ssplit": with mla_s_split too (5 planes of partial scores; 8 at 2 tiles).
 COMBINES = {"cta": {}, "pairs": {"mla_combine_pairs": True},
             "once": {"mla_combine_weights_once": True, "mla_combine_unroll": 16},
             "cache_ef": {"mla_cache_evict_first": True},
-            "unrolled": {"mla_unrolled": True, "mla_head_tiles": 3}}
+            "unrolled": {"mla_unrolled": True, "mla_head_tiles": 3},
+            "ssplit": {"mla_unrolled": True, "mla_head_tiles": 3, "mla_s_split": True},
+            "ssplit2": {"mla_head_tiles": 2, "mla_s_split": True}}
 
 
 @pytest.mark.parametrize("combine", list(COMBINES))
