@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,11 +26,16 @@ from fusec.loader import load_graph
 from fusec.weights import check_finite_weights, random_weights
 
 
-def all_finite(x: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor: no element of float tensor x is Inf or NaN. x * 0 is 0 for every
-    finite x and NaN for Inf and NaN, so the sum is 0 exactly when all are finite (no overflow
-    whatever the values): three kernels in the step's graph where isfinite().all() took five."""
-    return (x * 0).sum() == 0
+# Graphs of the one-graph step keyed by the caller's own input tensors (see `_graph_step`); past
+# this many distinct pairs, steps go through the one staging buffer instead.
+MAX_KEYED_GRAPHS = 4
+
+
+def finite_measure(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The largest |x| of float tensor x as a 0-d fp32 tensor: NaN if an element is NaN, Inf if
+    one is +-Inf, finite exactly when every element is (the reduction propagates NaN; no sum that
+    could overflow). One kernel in the step's graph where `(x * 0).sum() == 0` took three."""
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=out)
 
 
 class NonFiniteLogits(FloatingPointError):
@@ -89,12 +95,14 @@ class CompiledStep:
 
     Deferred, with a runner that offers a capturable step (`device_step` and `launched`, as the
     cute runner does), all the device work of a step is one CUDA graph, captured at the first
-    step: the device range check and clamps, the runner's step (input writes, step counter,
-    launch), the fp32 logits and their finite check, the flags. A step then issues the copies of
-    the inputs into the graph's input buffer, one replay, the asynchronous read-back copies of
-    the flags and of the runner's error words, and a copy of each output (outputs are the
-    caller's to keep across steps). That graph always range-checks and clamps the tokens, also
-    those `generate` feeds back unchecked on the host."""
+    step with those inputs: the device range check and clamps (on the cute runner one small
+    kernel, `device_step_guarded`, that also advances the step counter), the runner's step, the
+    logits' finite check (one reduction). The graph reads CUDA int32/int64 inputs in place (a
+    graph per pair of input tensors, up to MAX_KEYED_GRAPHS; others go through one staging
+    buffer). A step then issues one replay, the asynchronous read-back copies of the flags and
+    of the runner's error words, and a copy of each output (outputs are the caller's to keep
+    across steps). That graph always range-checks and clamps the tokens, also those `generate`
+    feeds back unchecked on the host."""
 
     def __init__(self, graph: Graph, runner, batch: int, max_len: int, device: str, *,
                  check_finite: bool = True, deferred: bool = False):
@@ -109,14 +117,22 @@ class CompiledStep:
         # and one step is always in flight; two pinned slots of (finite, inputs in range) flags.
         self._pending: collections.deque = collections.deque()
         if deferred:
-            self._flag_host = torch.ones((2, 2), dtype=torch.bool).pin_memory()
+            # per slot (finite measure, out-of-range flag): see `finite_measure`; 0.0 = in range
+            self._flag_host = torch.zeros((2, 2), dtype=torch.float32).pin_memory()
             # the same pinned bytes, read per step without a torch op (a few us each on the host)
-            self._flag_view = (ctypes.c_bool * 4).from_address(self._flag_host.data_ptr())
+            self._flag_view = (ctypes.c_float * 4).from_address(self._flag_host.data_ptr())
             self._flag_ready = [torch.cuda.Event(), torch.cuda.Event()]
         # The one-graph step (see the class docstring); a runner without a capturable step (the
         # reference one) keeps the path of separate launches.
         self.graphed = deferred and all(callable(getattr(runner, a, None)) for a in ("device_step", "launched"))
-        self._replay = None         # the captured graph's replay, set at the first step
+        # A runner with the inputs' guard on the device (the cute one: one small kernel for the
+        # clamps, the range flag and the step counter) keeps it out of torch ops in the graph.
+        self.guarded = self.graphed and all(callable(getattr(runner, a, None))
+                                            for a in ("device_step_guarded", "prepare_guard"))
+        # Captured graphs by input key (`_graph_step`): (tokens, positions) addresses and dtypes,
+        # or None for the staging buffer `_inp`.
+        self._graphs: dict = {}
+        self._dev = None            # the device with its index (tensors' devices compare to it)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> StepOutput:
         return self.step(tokens, positions)
@@ -162,9 +178,10 @@ class CompiledStep:
         k, self.steps_run = self.steps_run, self.steps_run + 1
         if self.deferred:
             slot = k % 2
-            ok = torch.isfinite(logits).all() if self.check_finite else torch.ones((), dtype=torch.bool, device=logits.device)
-            rng = in_range if in_range is not None else torch.ones_like(ok)
-            self._flag_host[slot].copy_(torch.stack([ok, rng]), non_blocking=True)
+            zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+            measure = finite_measure(logits) if self.check_finite else zero
+            bad = (~in_range).float() if in_range is not None else zero
+            self._flag_host[slot].copy_(torch.stack([measure, bad]), non_blocking=True)
             self._flag_ready[slot].record()
             self._pending.append((k, logits, slot))
         elif self.check_finite and not bool(torch.isfinite(logits).all()):
@@ -188,15 +205,23 @@ class CompiledStep:
 
     def _graph_step(self, tokens, positions) -> StepOutput:
         """One step as one graph replay (see the class docstring); inputs already checked on the
-        host where that needs no sync."""
-        if self._replay is None:
-            self._replay = self._capture()
-        if tokens.device == positions.device == self._inp.device:
-            torch.stack((tokens, positions), out=self._inp)     # one copy (one launch), casting
-        else:
-            self._inp[0].copy_(tokens, non_blocking=True)       # H2D for CPU-resident inputs
-            self._inp[1].copy_(positions, non_blocking=True)
-        logits, nxt, flags = self._replay()
+        host where that needs no sync.
+
+        The graph reads CUDA int32/int64 contiguous inputs where they are: one graph per (tokens,
+        positions) pair of such tensors, up to MAX_KEYED_GRAPHS pairs (an engine's persistent
+        input buffers), so a step copies nothing in. Each graph keeps its pair alive, so an
+        address it was captured on can only be that tensor's again. Other inputs (CPU-resident,
+        other dtypes, more pairs) are copied into one staging buffer that its own graph reads."""
+        key = self._input_key(tokens, positions)
+        if key not in self._graphs and len(self._graphs) - (None in self._graphs) >= MAX_KEYED_GRAPHS:
+            key = None
+        if key is None:
+            self._stage(tokens, positions)
+        replay = self._graphs.get(key)
+        if replay is None:
+            replay = self._graphs[key] = self._capture(*((self._inp[0], self._inp[1]) if key is None
+                                                        else (tokens, positions)))
+        logits, nxt, flags = replay()
         self.runner.launched()
         k, self.steps_run = self.steps_run, self.steps_run + 1
         slot = k % 2
@@ -207,39 +232,72 @@ class CompiledStep:
         self._pending.append((k, logits, slot))
         return StepOutput(logits, nxt.clone())
 
-    def _capture(self):
-        """The step's device work as one graph; returns its `replay() -> (fp32 logits, next
-        tokens, [finite, in range] flags)`, static tensors overwritten by every replay."""
+    def _input_key(self, tokens, positions):
+        """The graph key of inputs a graph can read in place, else None."""
+        if self._dev is None:
+            d = torch.device(self.device)
+            self._dev = torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+        if self._checks_on_device(tokens, positions) and all(
+                t.device == self._dev and t.dtype in (torch.int32, torch.int64) and t.is_contiguous()
+                for t in (tokens, positions)):
+            return tokens.data_ptr(), tokens.dtype, positions.data_ptr(), positions.dtype
+        return None
+
+    def _stage(self, tokens, positions) -> None:
+        """Copy the inputs into the staging buffer (int64, so a CUDA int64 token past 2**31 is seen
+        out of range before it is narrowed)."""
+        if getattr(self, "_inp", None) is None:
+            self._inp = torch.zeros((2, self.batch), dtype=torch.int64, device=self.device)
+        if tokens.device == positions.device == self._inp.device:
+            torch.stack((tokens, positions), out=self._inp)     # one copy (one launch), casting
+        else:
+            self._inp[0].copy_(tokens, non_blocking=True)       # H2D for CPU-resident inputs
+            self._inp[1].copy_(positions, non_blocking=True)
+
+    def _capture(self, tok_src, pos_src):
+        """The step's device work reading its inputs from `tok_src`, `pos_src` (device vectors,
+        read at each replay) as one graph; returns its `replay() -> (fp32 logits, next tokens,
+        fp32 [finite measure, out-of-range flag])`, static tensors overwritten by every replay."""
         dev = torch.device(self.device)
-        # int64, so a CUDA int64 token past 2**31 is seen out of range before it is narrowed
-        self._inp = torch.zeros((2, self.batch), dtype=torch.int64, device=dev)   # tokens; positions
         top = self.vocab - 1 if self.vocab is not None else torch.iinfo(torch.int64).max
-        # Every tensor the graph reads must outlive it: the bounds are kept on self (as locals
-        # they were freed after the capture, their memory reused, and the replays clamped
+        # Every tensor the graph reads must outlive it: the flags and bounds are kept on self (as
+        # locals they were freed after the capture, their memory reused, and the replays clamped
         # against whatever was written there: range errors on valid inputs on the H200).
-        self._bounds = lo, hi = (torch.zeros((2, 1), dtype=torch.int64, device=dev),
-                                 torch.tensor([[top], [self.max_len - 1]], dtype=torch.int64, device=dev))
+        if getattr(self, "_flags", None) is None:
+            self._flags = torch.zeros(2, dtype=torch.float32, device=dev)
+            self._bounds = (torch.zeros((2, 1), dtype=torch.int64, device=dev),
+                            torch.tensor([[top], [self.max_len - 1]], dtype=torch.int64, device=dev))
+            if self.guarded:
+                self.runner.prepare_guard()
+        flags, (lo, hi) = self._flags, self._bounds
 
-        def clamp(inp):
+        def inputs():
+            if self.guarded:
+                return None
             # the kernel runs on clamped values, so it never indexes past the cache or the table
+            inp = torch.stack((tok_src.to(torch.int64), pos_src.to(torch.int64)))
             safe = inp.clamp(lo, hi)
-            return safe, (safe == inp).all()
-
-        def finish(logits, in_range):
-            logits = logits.float()
-            ok = all_finite(logits) if self.check_finite else torch.ones_like(in_range)
-            return logits, torch.stack([ok, in_range])
+            flags[1].copy_((safe != inp).any())
+            return safe
 
         def body():
-            safe, in_range = clamp(self._inp)
-            logits, nxt = self.runner.device_step(safe[0], safe[1])
-            logits, flags = finish(logits, in_range)
+            if self.guarded:
+                logits, nxt = self.runner.device_step_guarded(tok_src, pos_src, top, self.max_len - 1, flags[1:])
+            else:
+                safe = inputs()
+                logits, nxt = self.runner.device_step(safe[0], safe[1])
+            logits = logits.float()
+            if self.check_finite:
+                finite_measure(logits, out=flags[0])
             return logits, nxt, flags
 
         # Warm-up of the torch ops outside the capture (the kernel itself is not run: a step
         # has effects): lazy initialisation and kernel loading happen here, not in the capture.
-        finish(self.runner.outputs()[0], clamp(self._inp)[1])
-        return _cuda_graph(body, dev)
+        inputs()
+        if self.check_finite:
+            finite_measure(self.runner.outputs()[0].float(), out=flags[0])
+        # the graph's pair stays referenced by its replay (see _graph_step)
+        return _cuda_graph(body, dev, keep=(tok_src, pos_src))
 
     def _raise_nonfinite(self, k: int, logits: torch.Tensor) -> None:
         rows = (~torch.isfinite(logits)).any(dim=-1).nonzero().reshape(-1).tolist()
@@ -261,7 +319,7 @@ class CompiledStep:
         while len(self._pending) > keep:
             k, logits, slot = self._pending.popleft()
             self._flag_ready[slot].synchronize()
-            finite, in_range = self._flag_view[2 * slot], self._flag_view[2 * slot + 1]
+            finite, in_range = math.isfinite(self._flag_view[2 * slot]), self._flag_view[2 * slot + 1] == 0
             if not in_range:
                 self._pending.clear()
                 raise ValueError(f"step {k}: a position outside [0, {self.max_len}) or a token id outside the "
@@ -292,11 +350,12 @@ class CompiledStep:
         return torch.stack(out)
 
 
-def _cuda_graph(body, device: torch.device):
+def _cuda_graph(body, device: torch.device, keep=()):
     """Capture `body` (device work only: no host sync, no per-step host effect) once into a CUDA
     graph on a side stream, as `Megakernel.capture_graph` does; returns `replay()`, which
     re-runs it on the current stream and returns the outputs `body` returned at capture (the
-    same tensors each time, overwritten by every replay)."""
+    same tensors each time, overwritten by every replay); `keep`: tensors the replays read that
+    must stay allocated as long as the graph."""
     cur = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(cur)
@@ -309,6 +368,7 @@ def _cuda_graph(body, device: torch.device):
     def replay():
         g.replay()
         return outs
+    replay.keep = keep
     return replay
 
 

@@ -706,3 +706,22 @@ def test_lean_row_smem_compiles_and_passes_the_audit(cutlass_available, tmp_path
     assert "trow = cute.make_tensor" in render(plan) and "trow = cute.make_tensor" not in render(small_plan())
     with pytest.raises(ValueError, match="lean_row_smem"):
         small_plan(lean_row_smem=True, lean_dispatch=False)
+
+
+def test_step_input_guard_compiles_and_clamps_in_64_bits(cutlass_available, tmp_path):
+    """The step's input guard (backends/cute/step_inputs.py) compiles for sm_90a on the CPU and
+    passes the PTX audit's rules but P3 (no waits); the clamps compare in 64 bits (an int64 token past 2**31 is clamped,
+    not narrowed first), both rows are stored as int32, and the step counter is read, added to
+    and stored once (its run on the H200: tests/gpu/test_step_graph.py)."""
+    from fusec.backends.cute import step_inputs
+    from fusec.backends.cute.ptx_audit import audit_dir
+
+    step_inputs.compiled(keep_ptx_dir=str(tmp_path))
+    rep = audit_dir(tmp_path, expect_signals=False)
+    # P3 asks a megakernel for its synchronizing loads; the guard has none (stream order, not
+    # event counters, orders it before the megakernel): every other rule holds
+    assert [v for v in rep.violations if not v.startswith("P3")] == [] and rep.acquire_loads == 0
+    ptx = "\n".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
+    assert ptx.count("max.s64") >= 2 and ptx.count("min.s64") >= 2
+    assert "ld.global.s32" in ptx and "ld.global.b64" in ptx           # int32 and int64 inputs
+    assert ptx.count("shfl.sync.bfly.b32") == 5                         # the range flag's OR

@@ -5,6 +5,8 @@ with the capturable-step interface wraps the reference runner. The real capture 
 the cute backend: tests/gpu/test_step_graph.py."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -69,7 +71,7 @@ def fake_cuda(monkeypatch):
     fake_events_and_pinning(monkeypatch)
     captures = []
 
-    def cuda_graph(body, device):
+    def cuda_graph(body, device, keep=()):
         captures.append(device)
         outs = []
 
@@ -81,6 +83,7 @@ def fake_cuda(monkeypatch):
                 if o is not n:
                     o.copy_(n)
             return tuple(outs)
+        replay.keep = keep
         return replay
     monkeypatch.setattr(api, "_cuda_graph", cuda_graph)
     return captures
@@ -185,17 +188,103 @@ def test_errors_in_order_and_nonfinite(weights, fake_cuda, monkeypatch):
     off.generate(torch.tensor([3, 3]), L)                          # check_finite=False: no flag raised
 
 
+class GuardedRef(GraphableRef):
+    """GraphableRef with the cute runner's guarded step: the inputs' clamps, range flag and step
+    counter in the runner (the cute one does them in one small kernel); records the tensors it
+    was handed, to show the graph reads the caller's own."""
+
+    def __init__(self, ref, fail=()):
+        super().__init__(ref, fail)
+        self.prepared, self.handed = 0, []
+
+    def prepare_guard(self):
+        self.prepared += 1
+
+    def device_step_guarded(self, tokens, positions, tok_hi, pos_hi, flag):
+        self.handed.append((tokens, positions))
+        t, p = tokens.to(torch.int64), positions.to(torch.int64)
+        ct, cp = t.clamp(0, tok_hi), p.clamp(0, pos_hi)
+        flag.fill_(float(bool((ct != t).any() or (cp != p).any())))
+        return self.device_step(ct, cp)
+
+
+def _guarded(weights):
+    (a, b) = (fusec.compile(K3, "tiny", batch=B, max_len=L, weights=dict(weights)) for _ in range(2))
+    run = GuardedRef(a.runner)
+    return CompiledStep(a.graph, run, B, L, "cpu", deferred=True), run, CompiledStep(b.graph, b.runner, B, L, "cpu",
+                                                                                       deferred=True)
+
+
+def test_graphs_keyed_by_the_callers_inputs(weights, fake_cuda, monkeypatch):
+    """Device-resident int32/int64 contiguous inputs are read in place: one graph per (tokens,
+    positions) pair, reused while the caller passes the same tensors (an engine's persistent
+    buffers), holding them; past MAX_KEYED_GRAPHS pairs and for other inputs, the one staging
+    buffer and its graph. Every step matches the path of separate launches."""
+    graphed, run, plain = _steps(weights)
+    monkeypatch.setattr(graphed, "_checks_on_device", lambda t, p: True)   # as CUDA tensors would
+    tok, pos = torch.tensor([5, 9]), torch.tensor([0, 0], dtype=torch.int32)
+
+    def both(t, p, what):
+        a, b = graphed.step(t, p), plain.step(t, p)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.next_tokens, b.next_tokens), what
+
+    for s in range(3):
+        pos.fill_(s)                          # the same buffers, new values: the same graph
+        tok[0] = 5 + s
+        both(tok, pos, f"step {s}")
+    assert len(fake_cuda) == 1 and list(graphed._graphs) == [(tok.data_ptr(), torch.int64, pos.data_ptr(), torch.int32)]
+    kept = graphed._graphs[next(iter(graphed._graphs))].keep
+    assert kept[0] is tok and kept[1] is pos
+    graphed.reset()
+    plain.reset()
+    pairs = [(torch.tensor([s, s + 1]), torch.tensor([s % L, s % L])) for s in range(api.MAX_KEYED_GRAPHS + 2)]
+    for s, (t, p) in enumerate(pairs):
+        both(t, p, f"pair {s}")
+    # the pair above and MAX_KEYED_GRAPHS - 1 new ones got their own graphs; the rest the staging one
+    assert len(fake_cuda) == api.MAX_KEYED_GRAPHS + 1 and None in graphed._graphs
+    both(pairs[-1][0][::1].to(torch.int16), pairs[-1][1], "an int16 pair, staged")
+    both(torch.tensor([[3], [4]]).reshape(-1), torch.tensor([0, 1]), "a reshaped pair, still contiguous")
+    assert len(fake_cuda) == api.MAX_KEYED_GRAPHS + 1
+    graphed.check()
+
+
+def test_guarded_runner_gets_the_callers_tensors_and_flags_clamps(weights, fake_cuda, monkeypatch):
+    """A runner with the guard on the device (`device_step_guarded`) is handed the caller's own
+    tensors with the inclusive bounds, once prepared; its flag is the step's range check,
+    raised naming the step two steps later; the staging buffer's int64 rows reach it too."""
+    graphed, run, plain = _guarded(weights)
+    assert graphed.guarded
+    monkeypatch.setattr(graphed, "_checks_on_device", lambda t, p: True)
+    tok, pos = torch.tensor([1, 2 ** 40]), torch.tensor([0, 9])
+    a = graphed.step(tok, pos)
+    assert run.prepared == 1 and run.handed[-1][0] is tok and run.handed[-1][1] is pos
+    b = plain.step(torch.tensor([1, VOCAB - 1]), torch.tensor([0, L - 1]))
+    assert torch.equal(a.logits, b.logits), "the step ran on the clamped inputs"
+    graphed.step(torch.tensor([1, 2]), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match=r"^step 0: a position outside \[0, 4\) or a token id outside"):
+        graphed.step(torch.tensor([1, 2]), torch.tensor([2, 2]))
+    graphed.step(torch.tensor([3, 4], dtype=torch.int16), torch.tensor([3, 3], dtype=torch.uint8))
+    staged = run.handed[-1]
+    assert staged[0].dtype == torch.int64 and staged[0].data_ptr() == graphed._inp[0].data_ptr()
+    assert run.seen[-1] == ([3, 4], [3, 3])
+    graphed.check()
+    assert run.prepared == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_finite_flags_inf_and_nan_only(dtype):
-    """The graph's finite check (fusec.api.all_finite) against torch.isfinite: each of +Inf,
-    -Inf and NaN anywhere in a row is caught, and the largest finite values (whose plain sum
-    would overflow to Inf) are not."""
+def test_finite_measure_flags_inf_and_nan_only(dtype):
+    """The graph's finite check (fusec.api.finite_measure, finite exactly when every element is)
+    against torch.isfinite: each of +Inf, -Inf and NaN anywhere in a row is caught, also with
+    larger finite values around it, and the largest finite values (whose plain sum would overflow
+    to Inf) are not; written into a 0-d view as the graph does."""
     big = torch.finfo(dtype).max
     x = torch.full((3, 1000), big, dtype=dtype)
     x[1] = -big
-    assert bool(api.all_finite(x)) and bool(torch.isfinite(x).all())
+    out = torch.zeros(2)
+    assert math.isfinite(float(api.finite_measure(x, out=out[0]))) and bool(torch.isfinite(x).all())
+    assert float(out[0]) == float(big) and float(out[1]) == 0.0
     for bad in (float("inf"), float("-inf"), float("nan")):
         for where in ((0, 0), (2, 999), (1, 517)):
             y = x.clone()
             y[where] = bad
-            assert not bool(api.all_finite(y)), (bad, where)
+            assert not math.isfinite(float(api.finite_measure(y))), (bad, where)

@@ -162,6 +162,35 @@ class CuteRunner:
         self.kernel.launch()
         return self.outputs()
 
+    def device_step_guarded(self, tokens, positions, tok_hi: int, pos_hi: int, flag) -> list:
+        """`device_step` with the inputs' guard on the device (backends/cute/step_inputs.py), two
+        launches in all: `tokens`, `positions` (contiguous int32 or int64 device vectors, read
+        where they are) clamped to [0, tok_hi] and [0, pos_hi] into the arena, `flag` (an fp32
+        device word) set to 1.0 if a value was out of range (else 0.0), the step counter += 1 by
+        the same kernel, then the megakernel. Call `prepare_guard` once before capturing it."""
+        from . import step_inputs
+
+        step_inputs.launch(tokens, positions, self.mem.tensor("tokens"), self.mem.tensor("pos"), tok_hi, pos_hi,
+                           flag, self.kernel.step_buf)
+        self.kernel.launch()
+        return self.outputs()
+
+    def prepare_guard(self) -> None:
+        """Compile the input guard and load it on the device outside any capture (CUDA loads a
+        module at its first launch): one launch over no rows on scratch words, then a sync."""
+        import torch
+
+        from . import step_inputs
+
+        for n in ("tokens", "pos"):     # the guard writes int32 rows
+            t = self.mem.tensor(n)
+            if t.dtype != torch.int32 or not t.is_contiguous():
+                raise ValueError(f"the arena's {n} must be a contiguous int32 vector for the guard, got {t.dtype}")
+        scratch = torch.zeros(2, dtype=torch.int32, device=self.device)
+        none = scratch[:0]
+        step_inputs.launch(none, none, none, none, 0, 0, scratch[0:1].view(torch.float32), scratch[1:2])
+        torch.cuda.synchronize(self.device)
+
     def launched(self) -> None:
         """Host bookkeeping of one step just enqueued (by `run` or a `device_step`): count it
         and queue the copy of its error words to a pinned slot, read back by `check`."""

@@ -43,7 +43,7 @@ def k3():
     a = fusec.compile(kimi_k3.__file__, "tiny", backend="cute", batch=B, max_len=L, device="cuda")
     b = fusec.compile(kimi_k3.__file__, "tiny", backend="cute", batch=B, max_len=L, device="cuda")
     old = CompiledStep(b.graph, SeparateLaunches(b.runner), B, L, "cuda", deferred=True)
-    assert a.graphed and not old.graphed
+    assert a.graphed and a.guarded and not old.graphed
     return a, old
 
 
@@ -60,7 +60,7 @@ def _same(a, b, what):
 
 def test_steps_and_generate_match_the_separate_launches(k3):
     """Same bits as the path of separate launches (the kernel's sums run in a fixed order), with
-    CUDA int32 and CPU int64 inputs; outputs of step k survive step k + 1; one step counted per
+    CUDA int32 and CPU int64 inputs (graphs read in place and through the staging buffer); outputs of step k survive step k + 1; one step counted per
     replay on the host and on the device."""
     a, old = k3
     _fresh(a, old)
@@ -85,6 +85,36 @@ def test_steps_and_generate_match_the_separate_launches(k3):
     first = torch.tensor([11, 4000], device="cuda")
     assert torch.equal(a.generate(first, 8), old.generate(first, 8))
     assert k.steps_launched == int(k.step_buf.item())
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_input_guard_kernel(n):
+    """backends/cute/step_inputs.py on the device, against torch: int64 tokens (negative, past
+    2**31, past 2**32: clamped in 64 bits, not narrowed first) and int32 positions, and the
+    reverse; n = 40 rows takes a lane two rows. The flag is 1.0 exactly when a value was clamped;
+    the step counter advances by one per launch."""
+    from fusec.backends.cute import step_inputs
+
+    gen = torch.Generator().manual_seed(n)
+    hi_t, hi_p = 4095, 15
+    step = torch.tensor([7], dtype=torch.int32, device="cuda")
+    flag = torch.full((1,), -1.0, device="cuda")
+    for tdt, pdt in ((torch.int64, torch.int32), (torch.int32, torch.int64)):
+        for bad in (False, True):
+            tok = torch.randint(0, hi_t + 1, (n,), generator=gen)
+            pos = torch.randint(0, hi_p + 1, (n,), generator=gen)
+            if bad:
+                tok[n - 1] = -3 if tdt == torch.int32 else 2 ** 32 + 5
+                pos[0] = 2 ** 31 + 1 if pdt == torch.int64 else hi_p + 1
+            tok, pos = tok.to("cuda", tdt), pos.to("cuda", pdt)
+            out_t = torch.full((n,), -9, dtype=torch.int32, device="cuda")
+            out_p = torch.full((n,), -9, dtype=torch.int32, device="cuda")
+            before = int(step.item())
+            step_inputs.launch(tok, pos, out_t, out_p, hi_t, hi_p, flag, step)
+            torch.cuda.synchronize()
+            assert torch.equal(out_t, tok.to(torch.int64).clamp(0, hi_t).to(torch.int32)), (tdt, bad)
+            assert torch.equal(out_p, pos.to(torch.int64).clamp(0, hi_p).to(torch.int32)), (pdt, bad)
+            assert float(flag.item()) == (1.0 if bad else 0.0) and int(step.item()) == before + 1
 
 
 def test_out_of_range_inputs_are_clamped_and_raised_later(k3):
