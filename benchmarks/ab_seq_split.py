@@ -1,6 +1,7 @@
 """Time one op's split over its long operand (`OpDef.seq_split`, the tile pass) on and off, side by side.
 
     python benchmarks/ab_seq_split.py --config slice4 --batch 1 --op argmax [--rounds 5] [--control]
+    python benchmarks/ab_seq_split.py --config slice4 --batch 1 --op mla_attention --min-rows 64,128
 
 Two (three with --control) builds of the same config through `fusec.compile(..., backend="cute",
 device="cuda")`: the default, and one compiled with the op's registry entry lacking its
@@ -10,6 +11,8 @@ step's logits and next tokens of the two builds are compared (a split that chang
 bug). Then each build's megakernel is timed as CUDA-graph replays in interleaved rounds, the
 order rotated by one build each round; a round is the median of `reps` replays, the row the
 median round. --control builds the default a second time (its row is the run's noise floor).
+`--min-rows N,M`: instead of the whole op, builds whose split has chunks of at least N (M, ...)
+rows (`SeqSplit.min_rows`: fewer, longer chunks where the SMs would allow more).
 The pipeline decision cannot be a KernelPlan field (the split changes the graph and the task
 table), which is why plan_variants.py cannot time it.
 """
@@ -29,6 +32,7 @@ from _timing import print_rounds, rotated_rounds  # benchmarks/_timing.py (this 
 def main() -> None:
     ap = timed_builds_parser(__doc__, rounds=5)
     ap.add_argument("--op", default="argmax", help="the op whose seq_split is turned off in the other build")
+    ap.add_argument("--min-rows", default="", help="','-separated chunk minimums to build instead of the whole op")
     args = ap.parse_args()
     from fusec.ir.registry import REGISTRY
     import fusec.models as m
@@ -37,23 +41,27 @@ def main() -> None:
         raise SystemExit(f"ab_seq_split: error: op {args.op!r} has no seq_split")
     model = os.path.join(os.path.dirname(m.__file__), "kimi_k3.py")
 
-    def build(split: bool):
+    def build(name: str):
         t0 = time.perf_counter()
         saved = REGISTRY[args.op]
-        if not split:
+        if name.endswith("whole"):
             REGISTRY[args.op] = dataclasses.replace(saved, seq_split=None)
+        elif name.startswith("min_rows="):
+            rows = int(name.split("=")[1])
+            REGISTRY[args.op] = dataclasses.replace(saved, seq_split=dataclasses.replace(saved.seq_split, min_rows=rows))
         try:
             f = fusec.compile(model, args.config, backend="cute", batch=args.batch, max_len=args.max_len,
                               device="cuda")
         finally:
             REGISTRY[args.op] = saved
         ops = sum(op.opname == args.op for op in f.runner.program.graph.ops)
-        print(f"  {'split' if split else 'whole'}: built in {time.perf_counter() - t0:.1f} s, "
+        print(f"  {name}: built in {time.perf_counter() - t0:.1f} s, "
               f"{ops} {args.op} op(s) left whole, {len(f.runner.plan.tasks)} rows", flush=True)
         return f
 
-    names = ["split (default)", f"{args.op} whole"] + (["split (rebuilt)"] if args.control else [])
-    runs = {n: build(not n.endswith("whole")).runner for n in names}
+    others = [f"min_rows={r}" for r in args.min_rows.split(",") if r] or [f"{args.op} whole"]
+    names = ["split (default)"] + others + (["split (rebuilt)"] if args.control else [])
+    runs = {n: build(n).runner for n in names}
     g = torch.Generator().manual_seed(args.batch)
     vocab = next(iter(runs.values())).program.graph.outputs[0].type.shape[-1]
     tok = torch.randint(0, vocab, (args.batch,), generator=g, dtype=torch.int32).cuda()

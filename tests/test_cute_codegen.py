@@ -725,3 +725,20 @@ def test_step_input_guard_compiles_and_clamps_in_64_bits(cutlass_available, tmp_
     assert ptx.count("max.s64") >= 2 and ptx.count("min.s64") >= 2
     assert "ld.global.s32" in ptx and "ld.global.b64" in ptx           # int32 and int64 inputs
     assert ptx.count("shfl.sync.bfly.b32") == 5                         # the range flag's OR
+
+
+def test_router_split_compiles_and_passes_the_audit(cutlass_available, tmp_path):
+    """KernelPlan.router_split (the CTA per token: warps' k best, then warp 0's k best of those)
+    compiles for sm_90a at 896 experts a row and passes the PTX audit; its render has the
+    tournament and the barrier between its two rounds, the default's does not. (Against the
+    registry's router, with ties: tests/gpu/test_cute_bodies.py::test_router_split_matches_registry.)"""
+    from fusec.backends.cute.ptx_audit import audit_plan
+
+    row = TaskRow(Opcode.ROUTER, 0, n1=1, k=896, p0=16, ldx=896, ldy=16)
+    base = KernelPlan(tasks=(row,), queues=((0,),), num_events=1, batch=1, name="router_split")
+    assert base.router_per_lane == 28
+    rep = audit_plan(dataclasses.replace(base, router_split=True), tmp_path / "split")
+    assert rep.ok, rep.violations
+    assert "_router_split(tab, t, warp, lane, tidx, sm)" in render(dataclasses.replace(base, router_split=True))
+    assert "_router_split" not in render(base)
+    assert "ROUTER_PER_THREAD = -(-(32 * ROUTER_PER_LANE) // THREADS)" in render(dataclasses.replace(base, router_split=True))

@@ -598,3 +598,13 @@ def test_mla_partial_defaults_follow_batch_heads_and_expert_bodies():
         _, low = lower_for_cute(kimi_k3.build_graph("tiny", expert_dtype=dtype), batch, L)
         plan = low.plan()
         assert (plan.mla_head_tiles, plan.mla_unrolled) == want, (dtype, batch)
+
+
+def test_router_split_default_follows_the_widest_router():
+    """Lowered.plan turns router_split on where a ROUTER row has more than 128 experts (timed on
+    slice4's 896: backends/cute/lower.py), off at K3 tiny's 32 and at 128; an explicit value wins."""
+    for experts, want in ((32, False), (128, False), (160, True)):
+        _, low = lower_for_cute(kimi_k3.build_graph("tiny", experts=experts), 1, L)
+        assert low.plan().router_split is want, experts
+    _, low = lower_for_cute(kimi_k3.build_graph("tiny", experts=160), 1, L)
+    assert low.plan(router_split=False).router_split is False

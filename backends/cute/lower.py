@@ -153,6 +153,11 @@ class Lowered:
             kw.setdefault(field, value)
         if self.batch == 1:
             kw.setdefault("expert_mx_down_unroll", 4)
+        # Stop 33: the router's picks by the whole CTA, a two-round tournament (router_split), where
+        # a row has more than 128 experts (timed there: slice4's 896, on the H200 with an A/A
+        # control, the same bits): B = 1 2523 -> 2516 us (-0.3%, every round lower, control +0.1%),
+        # B = 16 -0.5% (control -0.2%) (docs/results/plan_variants_h200_slice4_b*_router_split_stop33.log).
+        kw.setdefault("router_split", any(r.opcode == Opcode.ROUTER and r.k > 128 for r in rows))
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)

@@ -607,6 +607,13 @@ class KernelPlan:
     # as the EW rows' code was (ew_unroll, stop 29). Same operations in the same order: same bits.
     # With 4 the row is ~520 instructions (~1600 before); slice4 B = 1: -0.8% (control +0.1%).
     router_compact: int = 0
+    # ROUTER (stop 33; off until timed): the whole CTA per token (_router_split): each thread
+    # scores 2 of 896 experts, each warp picks its k best (k warp argmax rounds over 2 scores a
+    # lane), warp 0 the k best of those NUM_WARPS x k candidates (16 a lane), where the warp per
+    # token scanned 28 scores a lane in each of its 16 rounds (~650 cycles a round, stop 31's
+    # count: ~5 us of each 896-expert router row on B = 1's critical path). The same picks in
+    # the same order and the same weight arithmetic: the same bits.
+    router_split: bool = False
     # What a waiting CTA prefetches of a GEMV row's tile (stop 27, off until timed). The B = 1
     # profile has no CTA streaming weights for 363 of the step's 3065 us (33 gaps of 1-57 us:
     # ATTN_RES, KDA, router, MLA, the norms), and the PF words' 64 KiB prefix of a tile is the

@@ -4,6 +4,8 @@ fusec op registry's reference (marked gpu; skipped without CUDA or nvidia-cutlas
 Small shapes, one kernel per batch size; the expected values come from
 `get_op(name).ref(...)`, never from the kernel. Timing lives in benchmarks/cute_bodies.py.
 """
+import dataclasses
+
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -312,3 +314,57 @@ def test_argmax_split_matches_registry(batch, dtype, vocab, chunks):
         rt.check()
     assert torch.equal(parts, ref("argmax_partial", (x,), chunks=chunks)[0])
     assert torch.equal(out, x.float().argmax(-1).to(torch.int32)) and int(out[0]) == 17
+
+
+@pytest.mark.parametrize("experts,topk,batch,bf16", [(896, 16, 1, False), (896, 16, 16, True), (128, 16, 4, False),
+                                                      (40, 4, 3, True)])
+def test_router_split_matches_registry(experts, topk, batch, bf16):
+    """KernelPlan.router_split (the CTA per token, a two-round tournament) against the
+    registry's router, and bit for bit against the warp-per-token body (with router_compact
+    and router_late_scores, lower.py's defaults) in a second kernel: the same ids in the same
+    order, the same weights. Ties: experts 3 and E / 2 with equal scores among the certain
+    picks (3 must come first), and experts 1 and E - 1 with equal scores set midway between
+    the (k-1)-th and k-th best of the others (1 must take the k-th pick, E - 1 none). One task
+    per token, and a second set of outputs from one task over every token (the CTA takes its
+    tokens one after another)."""
+    gen = torch.Generator(device="cuda").manual_seed(experts + batch)
+    logits = torch.randn(batch, experts, device="cuda", generator=gen)
+    bias = (0.1 * torch.randn(experts, device="cuda", generator=gen)).float()
+    lo, hi = 1, experts - 1
+    bias[5] = 10.0                                           # a certain pick
+    logits[:, experts // 2] = logits[:, 3]
+    bias[3] = bias[experts // 2] = 5.0                       # two certain picks, equal scores
+    bias[lo] = bias[hi] = 0.5
+    s = torch.sigmoid(logits) + bias
+    s[:, lo] = s[:, hi] = float("-inf")
+    top = s.topk(topk, dim=1).values
+    q = ((top[:, topk - 2] + top[:, topk - 1]) / 2 - 0.5).clamp(1e-3, 1 - 1e-3)
+    logits[:, lo] = logits[:, hi] = torch.log(q / (1 - q))
+    logits = logits.to(BF) if bf16 else logits
+    outs = {}
+    for split in (False, True):
+        got = [(torch.full((batch, topk), float("nan"), device="cuda"),
+                torch.full((batch, topk), -7, device="cuda", dtype=torch.int32)) for _ in range(2)]
+        tasks = wl.router_tasks(logits, bias, *got[0], 1.5, 0)
+        whole = dataclasses.replace(wl.router_tasks(logits, bias, *got[1], 1.5, batch)[0], n0=0, n1=batch)
+        plan = KernelPlan(tasks=tuple(tasks) + (whole,), queues=(tuple(range(batch)), (batch,)),
+                          num_events=1, batch=batch, router_split=split, router_compact=0 if split else 4,
+                          router_late_scores=not split, name=f"router_b{batch}_{experts}_{int(split)}")
+        rt = Megakernel(plan)
+        rt.step()
+        rt.check()
+        outs[split] = got
+    # the registry's scores and mix; the order of equal scores by the lower index (the kernel's
+    # documented rule: torch.topk does not promise one), so a stable sort
+    route, at = get_op("router").route, {"topk": topk, "scale": 1.5}
+    sel = route.scores([logits, bias], at)
+    id_ref = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :topk].to(torch.int32)
+    w_ref = route.mix([logits, bias], at, id_ref.long())
+    assert (id_ref[:, :3] == torch.tensor([5, 3, experts // 2], device="cuda", dtype=torch.int32)).all()
+    for (w, ids) in outs[True]:
+        assert torch.equal(ids, id_ref), (ids, id_ref)
+        assert wl.rel_err(w, w_ref) < 1e-4
+    for (w0, i0), (w1, i1) in zip(outs[False], outs[True]):
+        assert torch.equal(i0, i1) and torch.equal(w0, w1)
+    print(f"router E={experts} k={topk} B={batch}: k-th pick tie at expert {lo} in "
+          f"{int((id_ref[:, topk - 1] == lo).sum())}/{batch} rows, expert {hi} picked in {int((id_ref == hi).sum())}")
