@@ -179,7 +179,9 @@ class OpDef:
     # one KDA head per task); None: sized by bytes alone
     min_tasks: Callable[[Mapping], int] | None = None
     # its result rows (dim 0, the batch) are independent work (one recurrent state per row): a
-    # family it anchors may cut them too when its column tiles leave SMs idle (`Tiling.columns`)
+    # family it anchors may cut them too, with `Tiling.columns` when its column tiles leave SMs
+    # idle, with `Tiling.heads` always (one task per (batch row, head range): a task's heads are
+    # one row's, contiguous)
     split_rows: bool = False
     # the exact regions a tile reads: `regions(attrs, input shapes, output shape, input full
     # boxes)` returns f(obox) -> the box of each input (None: not read) needed to compute box

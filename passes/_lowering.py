@@ -208,6 +208,12 @@ def _tile_boxes(ctx: _Ctx, anchor: Op | None, ops: list[Op], epi: list[Op]):
     if tiling is Tiling.heads:
         heads = s[1]                                 # (every head reads the whole streamed operand)
         n = min(heads, ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))
+        if anchor.opdef.split_rows and s[0] > 1:
+            # (batch row, head range) tiles, as many head ranges as the SMs allow beside the
+            # rows: a task's items (one row's heads) are contiguous, so a body can take several
+            # at once, where one head over every row was one item per row, merged serially
+            n = max(1, min(n, ctx.sms // s[0]))
+            return [((b, b + 1), r) + fb[2:] for b in range(s[0]) for r in splits(heads, n)], anchor.opname
         return [(fb[0], r, fb[2]) for r in splits(heads, n)], anchor.opname
     rules = _cut_rules(ctx, anchor, epi)            # Tiling.columns: ranges of the last dim
     n = min(ctx.sms, max(1, math.ceil(w / MIN_TASK_BYTES)))

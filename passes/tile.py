@@ -24,7 +24,8 @@ How a group becomes tasks (tile sizes and families in `passes/_lowering.py`, the
 - absorbed MLA attention over a cache larger than MIN_TASK_BYTES is rewritten in the graph to
   `mla_attention_partial` (one task per (chunk of cache rows [c L / S, (c + 1) L / S), batch
   row), S = SMs / batch chunks of at least the op's `seq_split.min_rows`) and `attention_combine`
-  (split over heads); likewise an argmax over logits larger than MIN_TASK_BYTES becomes
+  (split over heads, and at B > 1 over batch rows: one task per (batch row, head range), the
+  op's `split_rows`); likewise an argmax over logits larger than MIN_TASK_BYTES becomes
   `argmax_partial` (one task per (chunk of the columns, batch row), chunks of at least
   `ARGMAX_MIN_CHUNK` columns) and `argmax_combine` (one task per batch row); other attention and
   the KDA recurrence split over heads; in-place state updates store to the state parameter's own

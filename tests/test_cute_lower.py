@@ -338,6 +338,34 @@ def test_k3_split_sequence_mla_lowers_and_matches():
     assert max(errs) == 0.0 and same, errs
 
 
+@pytest.mark.parametrize("sms", [8, None])
+def test_k3_mla_combine_tasks_take_one_batch_row_and_contiguous_heads(sms):
+    """attention_combine at B > 1 (its registry entry's split_rows): one task per (batch row,
+    head range), so each COMBINE row is one batch row's contiguous heads (several items a row),
+    at most as many head ranges as the SMs allow beside the rows, every (b, h) item in exactly
+    one row; the interpreted table matches the reference."""
+    g = kimi_k3.build_graph("tiny")
+    prog, low = lower_for_cute(g, 4, 512, sms=sms)
+    ops = {}
+    for r in low.rows:
+        if r.opcode == Opcode.MLA and r.sub == MlaMode.COMBINE:
+            ops.setdefault(r.a0, []).append(r)        # one combine op per MLA layer (its partials)
+    assert ops
+    for comb in ops.values():
+        heads = comb[0].ldy
+        by_task = {}
+        for r in comb:
+            by_task.setdefault(r.task_id, []).append(r)
+        assert sorted(i for r in comb for i in range(r.n0, r.n1)) == list(range(4 * heads))
+        for rows in by_task.values():
+            assert len(rows) == 1 and rows[0].n0 // heads == (rows[0].n1 - 1) // heads   # one batch row
+        ranges = len(by_task) // 4                   # head ranges a batch row (bytes and SMs allow)
+        assert len(by_task) == 4 * ranges and 1 <= ranges <= min(heads, (sms or 132) // 4)
+        assert max(r.n1 - r.n0 for r in comb) == -(-heads // ranges) > 1
+    errs, same = _interp_run(g, prog, low, steps=2, seed=2, module=kimi_k3)
+    assert max(errs) == 0.0 and same, errs
+
+
 def test_k3_split_argmax_lowers_and_matches(monkeypatch):
     """Logits long enough for the argmax split over the vocabulary (argmax_partial per (chunk,
     batch row) + argmax_combine per batch row; tiny's 16 KB fp32 rows count as long here): the

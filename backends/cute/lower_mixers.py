@@ -217,9 +217,10 @@ class MixerLowering:
         pv = view(ins[0])
         S, B, H, W = pv.shape
         h0, h1 = t.tile[1]
+        b0, b1 = t.tile[0]                  # one batch row a task at B > 1 (split_rows)
         return [(TaskRow(Opcode.MLA, t.id, a0=off(ins[0]), a2=off(out), n0=b * H + h0, n1=b * H + h1,
                          k=W - 2, ldy=H, p0=B * H, p1=S, sub=MlaMode.COMBINE), ("a0", "a2"))
-                for b in range(B)]
+                for b in range(b0, b1)]
 
     # -- helpers ------------------------------------------------------------------------------
     def _rows(self, t) -> tuple[int, int]:

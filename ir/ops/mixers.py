@@ -518,10 +518,12 @@ def _combine_parts_ref(a, at):
 
 
 def _combine_parts_regions(at, sh, out, full):
-    """obox [B, h0:h1, D]: every chunk's partial rows of those heads."""
-    return lambda obox: [(full[0][0], full[0][1], obox[1], full[0][3])]
+    """obox [b0:b1, h0:h1, D]: every chunk's partial rows of those batch rows and heads."""
+    return lambda obox: [(full[0][0], obox[0], obox[1], full[0][3])]
 
 
+# split_rows: a task per (batch row, head range), so its (b, h) items are contiguous; over every
+# batch row, one head a task at B = 16, a task was 16 one-item table rows merged one after another
 register(OpDef("attention_combine", ("partials",), ("o",), _combine_parts_infer, _combine_parts_ref,
-               tiling=Tiling.heads, streams=(0,),
+               tiling=Tiling.heads, streams=(0,), split_rows=True,
                doc="merge split-sequence attention partials: softmax-weighted by exp(m_i - max) l_i", regions=_combine_parts_regions))
