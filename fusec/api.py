@@ -133,6 +133,8 @@ class CompiledStep:
         # or None for the staging buffer `_inp`.
         self._graphs: dict = {}
         self._dev = None            # the device with its index (tensors' devices compare to it)
+        self._inp = None            # the staging buffer, int64 [2, B] (tokens; positions)
+        self._flags = None          # the graphs' fp32 [finite measure, out-of-range flag]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> StepOutput:
         return self.step(tokens, positions)
@@ -246,7 +248,7 @@ class CompiledStep:
     def _stage(self, tokens, positions) -> None:
         """Copy the inputs into the staging buffer (int64, so a CUDA int64 token past 2**31 is seen
         out of range before it is narrowed)."""
-        if getattr(self, "_inp", None) is None:
+        if self._inp is None:
             self._inp = torch.zeros((2, self.batch), dtype=torch.int64, device=self.device)
         if tokens.device == positions.device == self._inp.device:
             torch.stack((tokens, positions), out=self._inp)     # one copy (one launch), casting
@@ -263,7 +265,7 @@ class CompiledStep:
         # Every tensor the graph reads must outlive it: the flags and bounds are kept on self (as
         # locals they were freed after the capture, their memory reused, and the replays clamped
         # against whatever was written there: range errors on valid inputs on the H200).
-        if getattr(self, "_flags", None) is None:
+        if self._flags is None:
             self._flags = torch.zeros(2, dtype=torch.float32, device=dev)
             self._bounds = (torch.zeros((2, 1), dtype=torch.int64, device=dev),
                             torch.tensor([[top], [self.max_len - 1]], dtype=torch.int64, device=dev))
