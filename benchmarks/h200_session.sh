@@ -62,6 +62,9 @@ for stage in "$@"; do
              python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/ranks.py \
              --config ${RANKS_CONFIG:-slice4-e128} --batches ${RANKS_BATCHES:-1,4,16} --rounds ${RANKS_ROUNDS:-5} \
              --json "$OUT/ranks.json" ${RANKS_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/ranks.log" | tail -30 ;;
+    wgmma) # the MLA partial prototype on wgmma (mla_wgmma_proto.py): its check against torch, then its time
+           timeout 300 python3 benchmarks/mla_wgmma_proto.py --rows ${WGMMA_ROWS:-512} --ctas ${WGMMA_CTAS:-132} 2>&1 \
+             | grep -v Warn | tee "$OUT/mla_wgmma_proto.log" | tail -6 ;;
     overhead) timeout 400 python3 benchmarks/step_overhead.py --config ${OVERHEAD_CONFIG:-tiny} --batches ${OVERHEAD_BATCHES:-1,16} \
                 2>&1 | grep -v Warn | tee "$OUT/step_overhead.log" | tail -40 ;;
     mxbody) # MXBODY_VARIANTS="expert_mx_down_unroll=4 expert_mx_glu_unroll=2" (space-separated builds)
@@ -110,6 +113,6 @@ for stage in "$@"; do
                timeout 280 python3 benchmarks/ab_seq_split.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
                  --op ${AB_OP:-argmax} --rounds ${PLAN_ROUNDS:-5} ${PLAN_ARGS:-} 2>&1 | grep -v Warn
              done | tee "$OUT/ab_seq_split.log" | grep -E "^\||built|error" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, absplit, overhead, mxbody, ncu, ncu-mla, ncu-step)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, absplit, overhead, mxbody, ncu, ncu-mla, ncu-step, wgmma)"; exit 2 ;;
   esac
 done

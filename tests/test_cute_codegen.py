@@ -742,3 +742,23 @@ def test_router_split_compiles_and_passes_the_audit(cutlass_available, tmp_path)
     assert "_router_split(tab, t, warp, lane, tidx, sm)" in render(dataclasses.replace(base, router_split=True))
     assert "_router_split" not in render(base)
     assert "ROUTER_PER_THREAD = -(-(32 * ROUTER_PER_LANE) // THREADS)" in render(dataclasses.replace(base, router_split=True))
+
+
+def test_mla_wgmma_prototype_compiles_for_sm90a(cutlass_available, tmp_path):
+    """benchmarks/mla_wgmma_proto.py (the MLA partial on wgmma, not yet in the megakernel)
+    compiles for sm_90a on the CPU: 36 m64n32k16 wgmmas for S = Q K^T (576 = 36 k16 steps, both
+    operands by descriptor) and 2 m64n128k16 for P V (P from registers) a stage, the async-proxy
+    fence between the cp.async writes and the wgmma reads, every wgmma group committed and
+    waited for. (Its numbers against torch: tests/gpu/test_mla_wgmma_proto.py.)"""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import mla_wgmma_proto as proto
+
+    proto.build(ptx_dir=str(tmp_path))
+    ptx = "\n".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 36
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 2
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert ptx.count("wgmma.commit_group.sync.aligned") == ptx.count("wgmma.wait_group.sync.aligned 0") == 2
