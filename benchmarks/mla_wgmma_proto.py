@@ -86,6 +86,13 @@ def build(arch: str = "sm_90a", ptx_dir: str | None = None):
         for i in range(nd):
             acc[i] = Float32(llvm.extractvalue(T.f32(), res, [i]))
 
+    def fence_operands(acc, n: int):
+        """Pass each accumulator through an empty volatile asm after a wgmma wait: the values the
+        wgmma asm returned are only valid after the wait, and nothing else ties their uses to it
+        (CUTLASS's warpgroup_fence_operand)."""
+        for i in range(n):
+            acc[i] = Float32(asm("", "=f,0", (Float32(acc[i]),), T.f32()))
+
     def pack_bf16(lo, hi):
         """Two fp32 as a bf16 pair (lo in the low half), as an A fragment register holds them."""
         return Int32(asm("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", (Float32(hi), Float32(lo)), T.i32()))
@@ -161,6 +168,7 @@ def build(arch: str = "sm_90a", ptx_dir: str | None = None):
                       b_desc=desc(cur + (kk // 4) * (SR * 128) + off, 16, 1024))
             asm("wgmma.commit_group.sync.aligned;")
             asm("wgmma.wait_group.sync.aligned 0;")
+            fence_operands(sacc, 16)
             # online softmax; element i of the accumulator: column 8 (i // 4) + 2 t + i % 2 of
             # row 16 wq + g (i % 4 < 2) or + 8
             mx = [Float32(float("-inf")), Float32(float("-inf"))]
@@ -196,6 +204,7 @@ def build(arch: str = "sm_90a", ptx_dir: str | None = None):
                       b_desc=desc(cur + (2 * wg) * (SR * 128) + k2 * (16 * 128), SR * 128, 1024), trans_b=1)
             asm("wgmma.commit_group.sync.aligned;")
             asm("wgmma.wait_group.sync.aligned 0;")
+            fence_operands(oacc, 64)
             # every warpgroup is done with this buffer before the next stage's copy refills it
             cute.arch.sync_threads()
             s = s + 1
