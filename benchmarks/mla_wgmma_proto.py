@@ -197,10 +197,12 @@ def build(arch: str = "sm_90a", ptx_dir: str | None = None):
                 lsum[h] = lsum[h] * corr[h] + part
             for i in cutlass.range_constexpr(64):
                 oacc[i] = oacc[i] * corr[(i % 4) // 2]
+            # P's A fragments before the fence (a register written after it makes ptxas insert
+            # a wait: C7519)
+            pa = [pack_bf16(sacc[2 * e], sacc[2 * e + 1]) for e in range(SR // 4)]
             asm("wgmma.fence.sync.aligned;")
             for k2 in cutlass.range_constexpr(SR // 16):
-                a = [pack_bf16(sacc[8 * k2 + 2 * e], sacc[8 * k2 + 2 * e + 1]) for e in range(4)]
-                wgmma(oacc, 128, a_regs=a,
+                wgmma(oacc, 128, a_regs=pa[4 * k2:4 * k2 + 4],
                       b_desc=desc(cur + (2 * wg) * (SR * 128) + k2 * (16 * 128), SR * 128, 1024), trans_b=1)
             asm("wgmma.commit_group.sync.aligned;")
             asm("wgmma.wait_group.sync.aligned 0;")

@@ -762,3 +762,52 @@ def test_mla_wgmma_prototype_compiles_for_sm90a(cutlass_available, tmp_path):
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 2
     assert "fence.proxy.async.shared::cta" in ptx
     assert ptx.count("wgmma.commit_group.sync.aligned") == ptx.count("wgmma.wait_group.sync.aligned 0") == 2
+
+
+def test_mla_wgmma_field(cutlass_available, tmp_path):
+    """KernelPlan.mla_wgmma: the megakernel's MLA PARTIAL on wgmma (bodies/mla_wgmma.py.j2)
+    compiles for sm_90a and passes the PTX audit: 36 m64n32k16 wgmmas (S) and 2 m64n128k16 (P V)
+    a stage, the async-proxy fence, every wgmma group committed and waited for, and the
+    mma.sync PARTIAL compiled out (the COMBINE has no MMA); with mla_wgmma_ksplit 9 S wgmmas a
+    warpgroup and the partial sums' exchange. ptxas (when present): within 128 registers, and
+    the spills of the default MLA kernel or fewer.
+    Refused: fewer than 512 threads, or PARTIAL rows of other widths than K3's."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.plan import MlaMode
+    from fusec.backends.cute.ptx_audit import audit_dir
+    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
+
+    base = KernelPlan(tasks=(TaskRow(Opcode.NOP, 0),), queues=((0,),), num_events=1, batch=16,
+                      extra_opcodes=(Opcode.MLA,), name="mla_wg")
+    with pytest.raises(ValueError, match="512 threads"):
+        dataclasses.replace(base, mla_wgmma=True, threads=256)
+    narrow = TaskRow(Opcode.MLA, 0, n0=0, n1=1, k=256, p2=64, p0=8, ldy=8, p1=1, ldx=64, sub=MlaMode.PARTIAL)
+    with pytest.raises(ValueError, match="K3's widths"):
+        KernelPlan(tasks=(narrow,), queues=((0,),), num_events=1, batch=1, mla_wgmma=True, name="narrow")
+    ptx, res = {}, {}
+    with pytest.raises(ValueError, match="needs mla_wgmma"):
+        dataclasses.replace(base, mla_wgmma_ksplit=True)
+    for name, kw in (("off", {}), ("on", dict(mla_wgmma=True)), ("ksplit", dict(mla_wgmma=True, mla_wgmma_ksplit=True))):
+        _, _, dump = compile_plan(dataclasses.replace(base, **kw), tmp_path / name, keep_ptx=True)
+        assert audit_dir(dump, expect_signals=False).ok, name
+        path = next(dump.glob("*.ptx"))
+        ptx[name] = path.read_text()
+        if find_ptxas() is not None:
+            res[name] = ptxas_resources(path)
+    on, off = ptx["on"], ptx["off"]
+    assert "wgmma." not in off and off.count("mma.sync.aligned.m16n8k16") > 0
+    assert on.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 36
+    assert on.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 2
+    assert on.count("mma.sync.aligned.m16n8k16") == 0
+    assert "fence.proxy.async.shared::cta" in on
+    assert on.count("wgmma.commit_group.sync.aligned") == on.count("wgmma.wait_group.sync.aligned 0") == 2
+    # ksplit: a quarter of S's k16 steps a warpgroup (the same instruction, its address from the
+    # warpgroup), the partials through 16-byte shared-memory stores and loads
+    ks = ptx["ksplit"]
+    assert ks.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 9
+    assert ks.count("st.shared.v4") - on.count("st.shared.v4") == 4
+    assert ks.count("ld.shared.v4") - on.count("ld.shared.v4") == 16
+    if res:
+        for name in ("on", "ksplit"):
+            assert res[name].registers <= 128, str(res[name])
+            assert res[name].spill_store_bytes <= res["off"].spill_store_bytes, (name, str(res[name]), str(res["off"]))

@@ -532,6 +532,17 @@ class KernelPlan:
     # of one m16n8 tile per warp over the whole row), its partial scores to plane kq; the softmax
     # sums the planes in kq order. Sums in another order: not the same bits.
     mla_s_split: bool = False
+    # MLA PARTIAL, stop 34 (off until timed): the PARTIAL on warpgroup MMA (wgmma) in place of
+    # mma.sync (bodies/mla_wgmma.py.j2; benchmarks/mla_wgmma_proto.py is the same computation
+    # alone): blocks of 64 heads, S = Q K^T and P V from one 128-byte-swizzled shared-memory
+    # stage, the online softmax in the accumulators' registers, no S / P round trip through
+    # shared memory. K3's widths only (kv_lora 512, rope 64) and 512 threads (4 warpgroups, 128
+    # latent columns each); the mma.sync PARTIAL is compiled out.
+    mla_wgmma: bool = False
+    # With mla_wgmma (stop 34, off until timed): S = Q K^T split over K between the four
+    # warpgroups, the partial sums exchanged through shared memory (each otherwise computes all of
+    # S, reading Q's 72 KB from shared memory four times a stage).
+    mla_wgmma_ksplit: bool = False
     # MLA COMBINE, stop 25 (off until timed): lora / 2 threads per (b, h) item, the chunk weights
     # computed per thread as it goes, no barrier (the template's MLA_COMB_PAIRS). At B = 16 the
     # CTA-per-item combine was ~53 us on the critical path (stop 20 profile) for ~17 MB of
@@ -668,6 +679,10 @@ class KernelPlan:
             raise ValueError(f"router_compact {self.router_compact} must be 0 (off), 1, 2, 4 or 8")
         if self.weight_evict_first not in ("", "experts", "all"):
             raise ValueError(f"weight_evict_first {self.weight_evict_first!r} must be '', 'experts' or 'all'")
+        if self.mla_wgmma and self.threads != 512:
+            raise ValueError(f"mla_wgmma needs 512 threads (4 warpgroups), not {self.threads}")
+        if self.mla_wgmma_ksplit and not self.mla_wgmma:
+            raise ValueError("mla_wgmma_ksplit needs mla_wgmma")
         if not 1 <= self.mla_head_tiles <= 4:
             raise ValueError(f"mla_head_tiles {self.mla_head_tiles} must be 1..4")
         if self.expert_stream not in ("regs", "ring"):
@@ -738,6 +753,10 @@ class KernelPlan:
                     and (t.k % 2 or t.k // 2 > self.threads)):
                 raise ValueError(f"task {t.task_id}: mla_combine_pairs needs kv_lora even and at most "
                                  f"2 * threads ({2 * self.threads})")
+            if (self.mla_wgmma and t.opcode == Opcode.MLA and t.sub == MlaMode.PARTIAL
+                    and (t.k != MLA_MAX_LORA or t.p2 != MLA_MAX_ROPE)):
+                raise ValueError(f"task {t.task_id}: mla_wgmma needs kv_lora {MLA_MAX_LORA} and rope "
+                                 f"{MLA_MAX_ROPE} (K3's widths), not {t.k} and {t.p2}")
             # 16-byte vector loads: MLA PARTIAL (q_lat, q_pe through its strides, cache rows),
             # ATTN_RES (source, weight and output rows), ARGMAX (logit rows).
             if t.opcode == Opcode.MLA and t.sub == MlaMode.PARTIAL and (

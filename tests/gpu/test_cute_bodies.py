@@ -246,13 +246,16 @@ def test_kda_family_over_batch_rows_matches_registry(ew_unroll, fast_div):
 # a full one at 40), "once" mla_combine_weights_once with 16 rows in flight per thread;
 # "cache_ef": the default combine, the partials' cache copies under mla_cache_evict_first;
 # "unrolled": the default combine, the PARTIAL with mla_unrolled and blocks of 3 head tiles;
-# "ssplit": with mla_s_split too (5 planes of partial scores; 8 at 2 tiles).
+# "ssplit": with mla_s_split too (5 planes of partial scores; 8 at 2 tiles); "wgmma": the PARTIAL on
+# wgmma (KernelPlan.mla_wgmma, 512 threads: 8 heads and 52 take one padded 64-head block); "wgmma_k":
+# with S split over K between the warpgroups (mla_wgmma_ksplit).
 COMBINES = {"cta": {}, "pairs": {"mla_combine_pairs": True},
             "once": {"mla_combine_weights_once": True, "mla_combine_unroll": 16},
             "cache_ef": {"mla_cache_evict_first": True},
             "unrolled": {"mla_unrolled": True, "mla_head_tiles": 3},
             "ssplit": {"mla_unrolled": True, "mla_head_tiles": 3, "mla_s_split": True},
-            "ssplit2": {"mla_head_tiles": 2, "mla_s_split": True}}
+            "ssplit2": {"mla_head_tiles": 2, "mla_s_split": True},
+            "wgmma": {"mla_wgmma": True}, "wgmma_k": {"mla_wgmma": True, "mla_wgmma_ksplit": True}}
 
 
 @pytest.mark.parametrize("combine", list(COMBINES))
@@ -274,7 +277,8 @@ def test_mla_split_sequence_matches_registry(batch, h, length, chunks, combine):
     comb = [dataclasses.replace(t, wait_event=0, wait_per_step=len(part)) for t in comb]
     tasks = part + comb
     plan = KernelPlan(tasks=tuple(tasks), queues=round_robin_queues(len(tasks), len(tasks)), num_events=1,
-                      batch=batch, threads=256, name=f"k3b_mla{batch}_{combine}", **COMBINES[combine])
+                      batch=batch, threads=512 if combine.startswith("wgmma") else 256, name=f"k3b_mla{batch}_{combine}",
+                      **COMBINES[combine])
     rt = Megakernel(plan)
     rt.step()
     rt.check()
