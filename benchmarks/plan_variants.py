@@ -13,7 +13,8 @@ as a difference); each round is the median of `reps` replays, and the row shows 
 round. `--control` adds the default plan built again as a variant: its row is the run's own
 noise floor (build-to-build and order effects). The same thing as benchmarks/cute_speed.py's --plan-variants, but
 without the profile build and the per-kind table, for one batch at a time when device time is
-short.
+short. `--random-state` checks the logits from random state (MLA cache, KDA state) instead of the
+fresh arena's zeros.
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ from _timing import print_rounds, rotated_rounds  # benchmarks/_timing.py (this 
 def main() -> None:
     ap = timed_builds_parser(__doc__, rounds=3)
     ap.add_argument("--variants", default="", help="';'-separated 'field=value[,field=value]' plan settings")
+    ap.add_argument("--random-state", action="store_true",
+                    help="fill the floating state (MLA latent cache, KDA state, conv windows) with random "
+                         "values before the logits check: from a fresh arena the cache rows before the "
+                         "position are zeros, so the check cannot see how a variant computes attention")
     args = ap.parse_args()
     from fusec.backends.cute.runtime import Megakernel
     from fusec.backends.cute.weight_tiles import (expert_mx_regions, expert_weight_regions, gemv_weight_regions,
@@ -49,6 +54,13 @@ def main() -> None:
     pos = torch.full((args.batch,), args.max_len - 1, dtype=torch.int32, device="cuda")
     run.run(tok, pos)
     run.check()
+    if args.random_state:
+        gs = torch.Generator(device="cuda").manual_seed(17)
+        for n in run.state_names:
+            st = run.mem.tensor(n)
+            if st.is_floating_point():
+                st.copy_(torch.randn(st.shape, device="cuda", generator=gs) * 0.5)
+        print("  state: random (std 0.5)", flush=True)
     saved = {n: run.mem.tensor(n).clone() for n in run.state_names}
 
     def one_step(kernel):

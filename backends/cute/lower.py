@@ -43,8 +43,8 @@ from .lowerings import LOWERINGS, OpCtx, lowers, supported
 from .memory import MemoryPlan, View, build_memory_plan, itemsize
 from .prefetch import add_weight_prefetch, check_prefetch
 from .table_verify import check_plan
-from .plan import (H200_SMS, NO_EVENT, ArgmaxMode, CommOp, EwOp, F32Flag, KernelPlan, MlaMode, Opcode, ScopeCode, TaskRow,
-                   f32_bits, f32_pair)
+from .plan import (H200_SMS, MLA_MAX_LORA, MLA_MAX_ROPE, NO_EVENT, ArgmaxMode, CommOp, EwOp, F32Flag, KernelPlan,
+                   MlaMode, Opcode, ScopeCode, TaskRow, f32_bits, f32_pair)
 
 # IR op -> EW sub-opcode for the two-operand / one-operand elementwise epilogues.
 EW_BINARY = {"add": EwOp.ADD, "sigmoid_mul": EwOp.SIGMOID_MUL, "situ_glu": EwOp.SITU_GLU,
@@ -123,6 +123,22 @@ class Lowered:
         wide = self.batch > 4 and not any(r.opcode == Opcode.EXPERT_MXFP4 for r in rows)
         kw.setdefault("mla_head_tiles", _mla_head_tiles(rows) if wide else 2 if self.batch == 1 else 4)
         kw.setdefault("mla_unrolled", wide)
+        # The MLA PARTIAL on wgmma with S split over K between the warpgroups (plan.mla_wgmma,
+        # mla_wgmma_ksplit; K3's widths and 512 threads only). The body alone, cold L2 (K3's 96
+        # heads, 4096 rows; benchmarks/mla_partial.py --cold): B = 16 219.5 -> 138.3 us, B = 4
+        # 79.4 -> 68.7, B = 1 43.0 -> 48.5. slice4-e128 step against the default with an A/A
+        # control (3 rounds; logits bit for bit the same at this state): B = 16 -0.8% (control
+        # +0.2%), B = 4 -1.5% (control -0.4%), B = 1 +2.1% (control 0.0%), so B > 1 only
+        # (docs/results/plan_variants_h200_slice4-e128_mla_wgmma_ksplit_stop34.log,
+        # mla_partial_h200_wgmma_stop34.log). Not timed in a kernel with MXFP4 expert bodies
+        # (the register allocation there moved with the MLA body's code before): off there.
+        wgmma = (self.batch > 1 and kw.get("threads") == 512
+                 and not any(r.opcode == Opcode.EXPERT_MXFP4 for r in rows)
+                 and all(r.k == MLA_MAX_LORA and r.p2 == MLA_MAX_ROPE for r in rows
+                         if r.opcode == Opcode.MLA and r.sub == MlaMode.PARTIAL)
+                 and any(r.opcode == Opcode.MLA for r in rows))
+        kw.setdefault("mla_wgmma", wgmma)
+        kw.setdefault("mla_wgmma_ksplit", kw["mla_wgmma"])
         # Expert weights under an L2 evict_first policy (at B = 1 the GEMV streams on CUDA cores,
         # which it does not cover): slice4-e128 on the H200, side by side with an A/A control (5
         # rounds), same logits: B = 1 3133 -> 3085 us (-1.5%, control -0.3%), B = 4 -0.3%
