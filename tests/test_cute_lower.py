@@ -628,6 +628,21 @@ def test_mla_partial_defaults_follow_batch_heads_and_expert_bodies():
         assert (plan.mla_head_tiles, plan.mla_unrolled) == want, (dtype, batch)
 
 
+def test_mla_wgmma_default_follows_batch_widths_and_expert_bodies():
+    """Lowered.plan turns the wgmma MLA PARTIAL (mla_wgmma + mla_wgmma_ksplit, measured in
+    backends/cute/lower.py) on at B > 1 where every PARTIAL row has K3's widths (kv_lora 512,
+    rope 64) and no EXPERT_MXFP4 body shares the kernel; off at B = 1, at K3 tiny's own widths
+    (64 + 16) and with MXFP4 experts; an explicit value wins."""
+    wide = dict(kv_lora=512, qk_rope=64)
+    for over, batch, want in ((dict(wide, expert_dtype="bf16"), 4, True), (dict(wide, expert_dtype="bf16"), 1, False),
+                              (dict(expert_dtype="bf16"), 4, False), (dict(wide, expert_dtype="mxfp4"), 4, False)):
+        _, low = lower_for_cute(kimi_k3.build_graph("tiny", **over), batch, L)
+        plan = low.plan()
+        assert (plan.mla_wgmma, plan.mla_wgmma_ksplit) == (want, want), (over, batch)
+    _, low = lower_for_cute(kimi_k3.build_graph("tiny", expert_dtype="bf16", **wide), 4, L)
+    assert low.plan(mla_wgmma=False).mla_wgmma_ksplit is False
+
+
 def test_router_split_default_follows_the_widest_router():
     """Lowered.plan turns router_split on where a ROUTER row has more than 128 experts (timed on
     slice4's 896: backends/cute/lower.py), off at K3 tiny's 32 and at 128; an explicit value wins."""
