@@ -1,5 +1,7 @@
-"""A prototype of the MLA PARTIAL on Hopper's warpgroup MMA (wgmma), alone: the next step for
-the megakernel's MLA body (docs/performance.md, stop 32's plan). Not used by the megakernel yet.
+"""A prototype of the MLA PARTIAL on Hopper's warpgroup MMA (wgmma), alone: a small test bed
+for the megakernel's wgmma MLA body (backends/cute/templates/bodies/mla_wgmma.py.j2, which adds
+the split of S over K between the warpgroups and the task table's addressing; stop 34). Checked
+against torch on the H200 in stop 34 (o within 9.5e-4), 5.4 us a 64-head stage.
 
     python benchmarks/mla_wgmma_proto.py [--rows 512] [--ctas 132] [--reps 50]   # H200: check, time
     python benchmarks/mla_wgmma_proto.py --compile-only [--ptx-dir D]            # CPU: sm_90a PTX

@@ -745,7 +745,8 @@ def test_router_split_compiles_and_passes_the_audit(cutlass_available, tmp_path)
 
 
 def test_mla_wgmma_prototype_compiles_for_sm90a(cutlass_available, tmp_path):
-    """benchmarks/mla_wgmma_proto.py (the MLA partial on wgmma, not yet in the megakernel)
+    """benchmarks/mla_wgmma_proto.py (the MLA partial on wgmma alone; the megakernel's body is
+    test_mla_wgmma_field's)
     compiles for sm_90a on the CPU: 36 m64n32k16 wgmmas for S = Q K^T (576 = 36 k16 steps, both
     operands by descriptor) and 2 m64n128k16 for P V (P from registers) a stage, the async-proxy
     fence between the cp.async writes and the wgmma reads, every wgmma group committed and

@@ -1,7 +1,7 @@
 """GPU check of benchmarks/mla_wgmma_proto.py (marked gpu; skipped without CUDA or the CuTe DSL):
 the wgmma MLA partial prototype (S = Q K^T and P V from one 128-byte-swizzled stage) against
-torch in fp32, over several stages, a partial last stage (rows masked) and one stage. Written in
-stop 33 without device time: not yet run."""
+torch in fp32, over several stages, a partial last stage (rows masked) and one stage (stop 34
+ran its check through benchmarks/h200_session.sh wgmma: o within 9.5e-4)."""
 import os
 import sys
 
