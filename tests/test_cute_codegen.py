@@ -3,6 +3,7 @@
 Compiling needs nvidia-cutlass-dsl (no GPU): with CUTE_DSL_ARCH=sm_90a the DSL emits sm_90a PTX.
 """
 import dataclasses
+import re
 
 import pytest
 
@@ -770,10 +771,11 @@ def test_mla_wgmma_field(cutlass_available, tmp_path):
     compiles for sm_90a and passes the PTX audit: 36 m64n32k16 wgmmas (S) and 2 m64n128k16 (P V)
     a stage, the async-proxy fence, every wgmma group committed and waited for, and the
     mma.sync PARTIAL compiled out (the COMBINE has no MMA); with mla_wgmma_ksplit 9 S wgmmas a
-    warpgroup and the partial sums' exchange. ptxas (when present): within 128 registers, and
-    the spills of the default MLA kernel or fewer.
+    warpgroup and the partial sums' exchange; with mla_wgmma_stages 3 a three-stage ring within
+    227 KB of shared memory. ptxas (when present): within 128 registers, and the spills of the
+    default MLA kernel or fewer.
     Refused: fewer than 512 threads, or PARTIAL rows of other widths than K3's."""
-    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.codegen import compile_plan, load_module
     from fusec.backends.cute.plan import MlaMode
     from fusec.backends.cute.ptx_audit import audit_dir
     from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
@@ -788,8 +790,13 @@ def test_mla_wgmma_field(cutlass_available, tmp_path):
     ptx, res = {}, {}
     with pytest.raises(ValueError, match="needs mla_wgmma"):
         dataclasses.replace(base, mla_wgmma_ksplit=True)
-    for name, kw in (("off", {}), ("on", dict(mla_wgmma=True)), ("ksplit", dict(mla_wgmma=True, mla_wgmma_ksplit=True))):
-        _, _, dump = compile_plan(dataclasses.replace(base, **kw), tmp_path / name, keep_ptx=True)
+    with pytest.raises(ValueError, match="mla_wgmma_stages"):
+        dataclasses.replace(base, mla_wgmma_stages=3)
+    smem = {}
+    for name, kw in (("off", {}), ("on", dict(mla_wgmma=True)), ("ksplit", dict(mla_wgmma=True, mla_wgmma_ksplit=True)),
+                     ("stages3", dict(mla_wgmma=True, mla_wgmma_ksplit=True, mla_wgmma_stages=3))):
+        _, path, dump = compile_plan(dataclasses.replace(base, **kw), tmp_path / name, keep_ptx=True)
+        smem[name] = load_module(path).SMEM_BYTES
         assert audit_dir(dump, expect_signals=False).ok, name
         path = next(dump.glob("*.ptx"))
         ptx[name] = path.read_text()
@@ -808,7 +815,12 @@ def test_mla_wgmma_field(cutlass_available, tmp_path):
     assert ks.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 9
     assert ks.count("st.shared.v4") - on.count("st.shared.v4") == 4
     assert ks.count("ld.shared.v4") - on.count("ld.shared.v4") == 16
+    # stages3: a third cache stage in the ring (one more cp.async group in flight: wait_group 2),
+    # within the H200's 227 KB of shared memory a CTA
+    wait2 = re.compile(r"cp\.async\.wait_group\s+2;")
+    assert wait2.search(ptx["stages3"]) and not wait2.search(ks)
+    assert smem["stages3"] - smem["ksplit"] == 36864 and smem["stages3"] <= 227 * 1024, smem
     if res:
-        for name in ("on", "ksplit"):
+        for name in ("on", "ksplit", "stages3"):
             assert res[name].registers <= 128, str(res[name])
             assert res[name].spill_store_bytes <= res["off"].spill_store_bytes, (name, str(res[name]), str(res["off"]))

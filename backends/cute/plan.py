@@ -543,6 +543,10 @@ class KernelPlan:
     # warpgroups, the partial sums exchanged through shared memory (each otherwise computes all of
     # S, reading Q's 72 KB from shared memory four times a stage).
     mla_wgmma_ksplit: bool = False
+    # With mla_wgmma (stop 34, not yet timed): cache stages in the shared-memory ring, 2 (one in
+    # flight while one is computed on) or 3 (two in flight: 72 KB an SM, for a stage that waits
+    # on HBM's latency; the ring, Q and the k-split exchange then take 213 KB).
+    mla_wgmma_stages: int = 2
     # MLA COMBINE, stop 25 (off until timed): lora / 2 threads per (b, h) item, the chunk weights
     # computed per thread as it goes, no barrier (the template's MLA_COMB_PAIRS). At B = 16 the
     # CTA-per-item combine was ~53 us on the critical path (stop 20 profile) for ~17 MB of
@@ -683,6 +687,8 @@ class KernelPlan:
             raise ValueError(f"mla_wgmma needs 512 threads (4 warpgroups), not {self.threads}")
         if self.mla_wgmma_ksplit and not self.mla_wgmma:
             raise ValueError("mla_wgmma_ksplit needs mla_wgmma")
+        if self.mla_wgmma_stages not in (2, 3) or (self.mla_wgmma_stages == 3 and not self.mla_wgmma):
+            raise ValueError(f"mla_wgmma_stages {self.mla_wgmma_stages} must be 2, or 3 with mla_wgmma")
         if not 1 <= self.mla_head_tiles <= 4:
             raise ValueError(f"mla_head_tiles {self.mla_head_tiles} must be 1..4")
         if self.expert_stream not in ("regs", "ring"):

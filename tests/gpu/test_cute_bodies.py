@@ -248,14 +248,16 @@ def test_kda_family_over_batch_rows_matches_registry(ew_unroll, fast_div):
 # "unrolled": the default combine, the PARTIAL with mla_unrolled and blocks of 3 head tiles;
 # "ssplit": with mla_s_split too (5 planes of partial scores; 8 at 2 tiles); "wgmma": the PARTIAL on
 # wgmma (KernelPlan.mla_wgmma, 512 threads: 8 heads and 52 take one padded 64-head block); "wgmma_k":
-# with S split over K between the warpgroups (mla_wgmma_ksplit).
+# with S split over K between the warpgroups (mla_wgmma_ksplit); "wgmma_k3": and a three-stage ring
+# (mla_wgmma_stages; 70 rows: 3 stages, the last partial).
 COMBINES = {"cta": {}, "pairs": {"mla_combine_pairs": True},
             "once": {"mla_combine_weights_once": True, "mla_combine_unroll": 16},
             "cache_ef": {"mla_cache_evict_first": True},
             "unrolled": {"mla_unrolled": True, "mla_head_tiles": 3},
             "ssplit": {"mla_unrolled": True, "mla_head_tiles": 3, "mla_s_split": True},
             "ssplit2": {"mla_head_tiles": 2, "mla_s_split": True},
-            "wgmma": {"mla_wgmma": True}, "wgmma_k": {"mla_wgmma": True, "mla_wgmma_ksplit": True}}
+            "wgmma": {"mla_wgmma": True}, "wgmma_k": {"mla_wgmma": True, "mla_wgmma_ksplit": True},
+            "wgmma_k3": {"mla_wgmma": True, "mla_wgmma_ksplit": True, "mla_wgmma_stages": 3}}
 
 
 @pytest.mark.parametrize("combine", list(COMBINES))
