@@ -136,6 +136,22 @@ def test_audit_sees_cache_hinted_accesses():
     assert any(v.startswith("P2") for v in audit_ptx(signal).violations)
 
 
+def test_audit_wants_the_async_proxy_fence_before_wgmma():
+    """P5: a wgmma reads shared memory through the async proxy; a cp.async (generic proxy) into
+    shared memory before it needs a fence.proxy.async between them. A bulk copy (async proxy)
+    needs none; a fence before the copy does not cover it."""
+    load = " ld.global.v4.b32 {%r2, %r3, %r4, %r5}, [%rd2];"
+    copy = " cp.async.cg.shared.global [%r7], [%rd2], 16, %r6;\n cp.async.wait_group 0;\n"
+    mma = " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%f1}, %rd4, %rd5, p, 1, 1, 0, 0;"
+    fence = " fence.proxy.async.shared::cta;\n"
+    ok = audit_ptx(SYNTH_OK.replace(load, copy + fence + mma))
+    assert ok.ok and ok.proxy_fenced_wgmma == 1, ok.violations
+    assert any(v.startswith("P5") for v in audit_ptx(SYNTH_OK.replace(load, copy + mma)).violations)
+    assert any(v.startswith("P5") for v in audit_ptx(SYNTH_OK.replace(load, fence + copy + mma)).violations)
+    bulk = " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r7], [%rd2], 256, [%r8];\n"
+    assert audit_ptx(SYNTH_OK.replace(load, bulk + mma)).ok
+
+
 @pytest.fixture(scope="module")
 def cutlass_available():
     pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl==4.8.1 not installed")
@@ -809,6 +825,12 @@ def test_mla_wgmma_field(cutlass_available, tmp_path):
     assert on.count("mma.sync.aligned.m16n8k16") == 0
     assert "fence.proxy.async.shared::cta" in on
     assert on.count("wgmma.commit_group.sync.aligned") == on.count("wgmma.wait_group.sync.aligned 0") == 2
+    # P5 of the audit: every wgmma is preceded by the async-proxy fence after the cp.async
+    # writes of its operands; with the fences planted away, each read is a violation
+    rep = audit_ptx(on, expect_signals=False)
+    assert rep.ok and rep.proxy_fenced_wgmma == 38, rep.summary()
+    bad = audit_ptx(on.replace("fence.proxy.async.shared::cta;", ""), expect_signals=False)
+    assert [v for v in bad.violations if v.startswith("P5")], bad.violations
     # ksplit: a quarter of S's k16 steps a warpgroup (the same instruction, its address from the
     # warpgroup), the partials through 16-byte shared-memory stores and loads
     ks = ptx["ksplit"]

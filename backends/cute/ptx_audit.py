@@ -18,6 +18,13 @@ program-text order, function by function:
      `.sys` fence stands between the last global store and it; no `multimem` instruction
      (NVLink multicast stays off); and a multi-rank kernel (`expect_sys`) has at least one
      system-scope acquire load and one system-scope release signal (the peer signal).
+  P5 async proxy (the wgmma MLA body): wgmma reads its shared-memory operands through the async
+     proxy, so shared memory written through the generic proxy must be made visible to it by a
+     `fence.proxy.async` first. Audited for cp.async (non-bulk) into shared memory, the way the
+     operands are written: a `wgmma.mma_async` with such a copy before it and no
+     `fence.proxy.async` between them is a violation. (cp.async.bulk writes through the async
+     proxy itself; st.shared is not tracked: the kernel's shared stores are read by threads,
+     and an address-blind rule could not tell them from operands.)
 
 Text order approximates control flow: the spin loop's load sits above the code after the loop,
 so a fence placed after the loop is seen before the data loads. Known limit: the audit cannot
@@ -48,6 +55,7 @@ class AuditReport:
     release_signals: int = 0
     fenced_signals: int = 0
     sys_acquire_loads: int = 0      # P4: system-scope spin loads that acquire (or are sys-fenced)
+    proxy_fenced_wgmma: int = 0     # P5: wgmma instructions after a fence.proxy.async
     sys_release_signals: int = 0    # P4: system-scope atomics that release (or are sys-fenced)
 
     @property
@@ -58,9 +66,10 @@ class AuditReport:
         head = "PASS" if self.ok else f"FAIL ({len(self.violations)} violations)"
         sys = (f", system scope: acquire loads {self.sys_acquire_loads}, release signals "
                f"{self.sys_release_signals}") if self.sys_acquire_loads or self.sys_release_signals else ""
+        proxy = f", wgmma after the async-proxy fence {self.proxy_fenced_wgmma}" if self.proxy_fenced_wgmma else ""
         return (f"{head}: acquire loads {self.acquire_loads}, fenced relaxed loads "
                 f"{self.fenced_relaxed_loads}, release signals {self.release_signals}, "
-                f"fenced signals {self.fenced_signals}" + sys)
+                f"fenced signals {self.fenced_signals}" + sys + proxy)
 
 
 def _opcodes(ptx: str):
@@ -99,6 +108,11 @@ def _strength(op: str) -> str:
     return "weak"
 
 
+def _is_generic_shared_copy(op: str) -> bool:
+    """cp.async (not .bulk) into shared memory: written through the generic proxy (P5)."""
+    return op.startswith("cp.async.") and not op.startswith("cp.async.bulk") and ".shared" in op
+
+
 def _is_sys(op: str) -> bool:
     return "sys" in op.split(".")
 
@@ -114,14 +128,26 @@ def _unfenced(rep: AuditReport, loads: list[int], sys_loads: list[int], reader: 
 
 
 def audit_ptx(ptx: str, *, expect_signals: bool = True, expect_sys: bool = False) -> AuditReport:
-    """Check P1-P4 on PTX text; see the module docstring."""
+    """Check P1-P5 on PTX text; see the module docstring."""
     rep = AuditReport(violations=[])
     for func in _opcodes(ptx):
         pending_loads: list[int] = []  # strong relaxed loads not yet followed by a fence
         pending_sys: list[int] = []    # ... of them at system scope, not yet followed by a sys fence
         fence_since_store = False
         sys_fence_since_store = False
+        unfenced_copy = 0              # P5: line of a cp.async into shared memory not yet proxy-fenced
         for n, op in func:
+            if _is_generic_shared_copy(op):
+                unfenced_copy = unfenced_copy or n
+            elif op.startswith("fence.proxy.async"):
+                unfenced_copy = 0
+            elif op.startswith("wgmma.mma_async"):
+                if unfenced_copy:
+                    rep.violations.append(f"P5 line {n}: '{op}' reads shared memory that the cp.async at line "
+                                          f"{unfenced_copy} wrote, with no fence.proxy.async between them")
+                    unfenced_copy = 0
+                else:
+                    rep.proxy_fenced_wgmma += 1
             if op.startswith("multimem"):
                 rep.violations.append(f"P4 line {n}: '{op}': NVLink multicast (multimem) must stay off")
             if _FENCE.match(op):
