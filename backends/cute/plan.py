@@ -532,14 +532,14 @@ class KernelPlan:
     # of one m16n8 tile per warp over the whole row), its partial scores to plane kq; the softmax
     # sums the planes in kq order. Sums in another order: not the same bits.
     mla_s_split: bool = False
-    # MLA PARTIAL, stop 34 (off until timed): the PARTIAL on warpgroup MMA (wgmma) in place of
-    # mma.sync (bodies/mla_wgmma.py.j2; benchmarks/mla_wgmma_proto.py is the same computation
-    # alone): blocks of 64 heads, S = Q K^T and P V from one 128-byte-swizzled shared-memory
+    # MLA PARTIAL, stop 34 (lower.py turns it on at B > 1, measured there): the PARTIAL on
+    # warpgroup MMA (wgmma) in place of mma.sync (bodies/mla_wgmma.py.j2;
+    # benchmarks/mla_wgmma_proto.py is the same computation alone): blocks of 64 heads, S = Q K^T and P V from one 128-byte-swizzled shared-memory
     # stage, the online softmax in the accumulators' registers, no S / P round trip through
     # shared memory. K3's widths only (kv_lora 512, rope 64) and 512 threads (4 warpgroups, 128
     # latent columns each); the mma.sync PARTIAL is compiled out.
     mla_wgmma: bool = False
-    # With mla_wgmma (stop 34, off until timed): S = Q K^T split over K between the four
+    # With mla_wgmma (stop 34; on with it in lower.py): S = Q K^T split over K between the four
     # warpgroups, the partial sums exchanged through shared memory (each otherwise computes all of
     # S, reading Q's 72 KB from shared memory four times a stage).
     mla_wgmma_ksplit: bool = False
