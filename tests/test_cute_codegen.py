@@ -556,6 +556,31 @@ def test_ew_unroll_is_a_plan_field(cutlass_available, tmp_path):
     assert lines[8] > lines[2], lines
 
 
+
+def test_norm_rows_parallel_field(cutlass_available, tmp_path):
+    """KernelPlan.norm_rows_parallel: the RMSNORM body's rows at once and the EW fp32 RMS path's
+    vector second pass compile for sm_90a (B = 16, 512 threads) and pass the PTX audit; the EW
+    pass loads its bf16 weights and stores its bf16 outputs 8 bytes at a time (v2.b32), which the
+    default plan has none of; ptxas (when present): within 128 registers and no spills."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
+
+    base = KernelPlan(tasks=(TaskRow(Opcode.NOP, 0),), queues=((0,),), num_events=1, batch=16, threads=512,
+                      extra_opcodes=(Opcode.RMSNORM, Opcode.EW), ew_unroll=4, name="norm_rows")
+    assert not base.norm_rows_parallel
+    ptx = {}
+    for on in (False, True):
+        _, _, dump = compile_plan(dataclasses.replace(base, norm_rows_parallel=on), tmp_path / str(on), keep_ptx=True)
+        assert audit_dir(dump, expect_signals=False).ok, on
+        path = next(dump.glob("*.ptx"))
+        ptx[on] = path.read_text()
+        if find_ptxas() is not None:
+            res = ptxas_resources(path)
+            assert res.registers <= 128 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0, (on, str(res))
+    assert ptx[False].count("ld.global.v2.b32") == ptx[False].count("st.global.v2.b32") == 0
+    assert ptx[True].count("ld.global.v2.b32") >= 4 and ptx[True].count("st.global.v2.b32") >= 4
+
 def test_text_bytes_reads_the_cubin_sections():
     """ptxas_resources.text_bytes sums the .text sections of an ELF64 file: a hand-built one
     with a .text.k of 96 bytes and a .nv.info of 40 (not code)."""

@@ -564,6 +564,14 @@ class KernelPlan:
     # B = 1: 4 and 2 both -2.0% (control -0.0%); stop 30 at B = 16: 4 -2.7% (control +0.8%),
     # so lower.py's plans take 4; 8 here.
     ew_unroll: int = 8
+    # The norms that GEMV tasks run as their prologue, at B > 1 (stop 35, off until timed):
+    # RMSNORM takes the task's rows at once, NUM_WARPS // rows warps a row (it took them one after
+    # another with the whole CTA: 17.6 us of B = 16's critical path for layer 0's q/kv prologue,
+    # stop 31's profile), 8 vectors in flight a lane; EW's fp32 RMS path (the latent norm before
+    # latent_up, ~17 us of each MoE layer's path at B = 16) loads 8 vectors a lane a round and its
+    # bf16 weights and outputs 4 to a load or store. EW, and RMSNORM at B = 1: the same operations
+    # in the same order, the same bits; RMSNORM at B > 1 sums a row's squares in another order.
+    norm_rows_parallel: bool = False
     # EW body: an element index's (batch row, column) by a per-row magic multiply and shift
     # instead of an integer division per element (the same values). Stop 26, off until timed:
     # part of the code-size probe (the EW body is 182 of the K3 kernel's 336 KB at B = 1).

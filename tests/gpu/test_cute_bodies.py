@@ -238,6 +238,58 @@ def test_kda_family_over_batch_rows_matches_registry(ew_unroll, fast_div):
     assert wl.rel_err(rms_u[:2, 1:], rms_uref[:2]) < 1e-2 and rms_u[2:].isnan().all()
 
 
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_norm_rows_parallel_matches_registry(batch):
+    """KernelPlan.norm_rows_parallel: the RMSNORM body's rows at once (NUM_WARPS // rows warps a
+    row; 7168, 1536 and an odd 520 wide, every row and a subset) and the EW fp32 RMS path's
+    unrolled passes with their 8-byte bf16 weight loads and output stores (3584 wide, 2 heads of
+    1024 over part of the rows, and an fp32 output: the scalar store loop). Each output against
+    the registry's rms_norm; with the field off and on the same plan gives the same bits for EW,
+    and for RMSNORM at batch 1 (the same order of sums); rows outside a task stay NaN."""
+    gen = torch.Generator(device="cuda").manual_seed(35 + batch)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    nan = lambda *s, dtype=BF: torch.full(s, float("nan"), device="cuda", dtype=dtype)  # noqa: E731
+    sub = (1, batch) if batch > 1 else (0, 1)
+    cases, outs = [], []
+    for i, k in enumerate((7168, 1536, 520)):
+        x, g = (r(batch, k) * 2).to(BF), (1 + 0.1 * r(k)).to(BF)
+        o, o_sub = nan(batch, k), nan(batch, k)
+        cases += [("rmsnorm", x, g, o, None, (0, batch)), ("rmsnorm", x, g, o_sub, None, sub)]
+        outs += [wl.rmsnorm_task(x, g, o, 1e-6, 10 + 2 * i),
+                 dataclasses.replace(wl.rmsnorm_task(x, g, o_sub, 1e-6, 11 + 2 * i), n0=sub[0], n1=sub[1])]
+    xl, gl, g2 = r(batch, 3584) * 3.0, (1 + 0.1 * r(3584)).to(BF), (1 + 0.1 * r(1024)).to(BF)
+    x2 = r(batch, 2048) * 3.0
+    rms_o, rms_f, rms_2 = nan(batch, 3584), nan(batch, 3584, dtype=torch.float32), nan(batch, 2048)
+    cases += [("ew", xl, gl, rms_o, 3584, (0, batch)), ("ew", xl, gl, rms_f, 3584, (0, batch)),
+              ("ew", x2, g2, rms_2, 1024, sub)]
+    outs += [wl.ew_task(EwOp.RMS, xl, rms_o, 20, c=gl, head_dim=3584, eps=1e-6),
+             wl.ew_task(EwOp.RMS, xl, rms_f, 21, c=gl, head_dim=3584, eps=1e-6),
+             wl.ew_task(EwOp.RMS, x2, rms_2, 22, c=g2, head_dim=1024, eps=1e-6, rows=sub)]
+    got = {}
+    for on in (False, True):
+        for _, _, _, o, _, _ in cases:
+            o.fill_(float("nan"))
+        plan = KernelPlan(tasks=tuple(outs), queues=round_robin_queues(len(outs), 16), num_events=1,
+                          batch=batch, threads=512, norm_rows_parallel=on, ew_unroll=4,
+                          name=f"k3b_norm_rows_b{batch}{'_par' if on else ''}")
+        rt = Megakernel(plan)
+        rt.step()
+        rt.check()
+        got[on] = [o.clone() for _, _, _, o, _, _ in cases]
+    for (kind, x, g, _, hd, (b0, b1)), off, o in zip(cases, got[False], got[True]):
+        if kind == "rmsnorm":
+            want = ref("rms_norm", (x[b0:b1], g), eps=1e-6, out_dtype="")[0]
+        else:
+            want = ref("rms_norm", (x[b0:b1].view(b1 - b0, -1, hd), g), eps=1e-6,
+                       out_dtype="bf16")[0].view(b1 - b0, -1)
+        assert wl.rel_err(o[b0:b1].float(), want.float()) < 1e-2, (kind, x.shape, o.dtype)
+        assert o[:b0].isnan().all() and o[b1:].isnan().all()
+        if kind == "ew" or batch == 1:
+            assert torch.equal(o[b0:b1], off[b0:b1]), (kind, x.shape, o.dtype)
+        else:
+            assert wl.rel_err(o[b0:b1].float(), off[b0:b1].float()) < 1e-2
+
 # (batch, heads, cache rows, chunks): chunks past pos stay empty; 52 and 96 heads take two
 # blocks of the tensor-core body (one partly padded); 50-row chunks take two shared-memory stages.
 # 40 chunks: more than a warp's lanes (the combine's weights per chunk); 200: more than one
