@@ -174,6 +174,14 @@ class Lowered:
         # control, the same bits): B = 1 2523 -> 2516 us (-0.3%, every round lower, control +0.1%),
         # B = 16 -0.5% (control -0.2%) (docs/results/plan_variants_h200_slice4_b*_router_split_stop33.log).
         kw.setdefault("router_split", any(r.opcode == Opcode.ROUTER and r.k > 128 for r in rows))
+        # Stop 35: the norms' rows at once and the EW RMS path's vector pass (norm_rows_parallel)
+        # at B > 4. Side by side with an A/A control (3 rounds, random state): slice4-e128 B = 16
+        # 7126 -> 7050 us (-1.1%, control +0.3%; that run's log was lost with its session), slice4
+        # B = 16 5970 -> 5919 (-0.9%, control -0.1%; plan_variants_h200_slice4_b16_norm_rows_mla_wgmma_stop35.log);
+        # slice4-e128 B = 4 +0.6% (control +0.7%) and slice4 B = 1 +0.3% (control -0.1%,
+        # plan_variants_h200_slice4_b1_norm_rows_stop35.log): off there. RMSNORM at B > 1 then sums
+        # a row's squares in another order: other logits bits (next tokens the same in these runs).
+        kw.setdefault("norm_rows_parallel", self.batch > 4)
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)

@@ -502,6 +502,14 @@ class KernelPlan:
     # slice4 B = 1 -0.3% (control -0.0%), in lower.py's batch-1 plans.
     expert_mx_glu_unroll: int = 1
     expert_mx_down_unroll: int = 2
+    # EXPERT_MXFP4 tensor-core body, DOWN: rows per unit, 16 or 32. With 32 a unit streams two
+    # 16-row tiles of its expert against one load of the group's activation fragments, the same
+    # loop as GLU's gate and up tiles (the B fragments are 4 activation loads per 32-column
+    # block and n8 tile: per DOWN weight byte 4x the bytes at B = 16 with 16-row units, 2x with
+    # 32), and a unit's fixed costs (pair lookups, addresses) are paid once for twice the
+    # weights. A unit with at most 16 live rows (a task's tail) takes the 16-row path.
+    # Stop 35, off until timed.
+    expert_mx_down_rows: int = 16
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -564,7 +572,7 @@ class KernelPlan:
     # B = 1: 4 and 2 both -2.0% (control -0.0%); stop 30 at B = 16: 4 -2.7% (control +0.8%),
     # so lower.py's plans take 4; 8 here.
     ew_unroll: int = 8
-    # The norms that GEMV tasks run as their prologue, at B > 1 (stop 35, off until timed):
+    # The norms that GEMV tasks run as their prologue, at B > 1 (stop 35; lower.py's plans at B > 4):
     # RMSNORM takes the task's rows at once, NUM_WARPS // rows warps a row (it took them one after
     # another with the whole CTA: 17.6 us of B = 16's critical path for layer 0's q/kv prologue,
     # stop 31's profile), 8 vectors in flight a lane; EW's fp32 RMS path (the latent norm before
@@ -716,6 +724,8 @@ class KernelPlan:
         if not (1 <= self.expert_mx_glu_unroll <= 4 and 1 <= self.expert_mx_down_unroll <= 4):
             raise ValueError(f"expert_mx_glu_unroll {self.expert_mx_glu_unroll} and expert_mx_down_unroll "
                              f"{self.expert_mx_down_unroll} must be 1..4")
+        if self.expert_mx_down_rows not in (16, 32):
+            raise ValueError(f"expert_mx_down_rows {self.expert_mx_down_rows} must be 16 or 32")
         if self.expert_cols not in (8, 16):
             raise ValueError(f"expert_cols {self.expert_cols} must be 8 or 16")
         if self.mxfp4_decode not in ("f16", "lut"):

@@ -78,7 +78,7 @@ def test_tiny_steps_match_reference(model, batch):
     assert align is None or not align.violations, align.violations
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [1, 4, 16])
 def test_k3_every_op_matches_its_reference_locally_at_every_step(batch):
     """8 steps op by op: at each step every body's output, on its own inputs, within bf16
     rounding of the op's registry reference (bisect.py), and integer results exact. This is the
