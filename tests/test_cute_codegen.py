@@ -221,34 +221,6 @@ def test_expert_mx_mma_needs_whole_128_column_chunks():
         dataclasses.replace(_expert_mx_plan((256,)), ranks=2)
 
 
-def test_expert_mx_down_rows_field(cutlass_available, tmp_path):
-    """KernelPlan.expert_mx_down_rows = 32 (DOWN units of two 16-row tiles, the GLU loop's shape):
-    refused unless 16 or 32; at B = 16 and 512 threads it compiles for sm_90a, passes the PTX
-    audit and adds MMAs (the two-tile loop next to the 16-row one); ptxas (when present): with
-    one chunk in flight (64 bytes a lane, as the default's two 16-row chunks) within 128
-    registers and no more spills than the default build (24 B there, at task and unit entry)."""
-    from fusec.backends.cute.codegen import compile_plan
-    from fusec.backends.cute.ptx_audit import audit_dir
-    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
-
-    with pytest.raises(ValueError, match="expert_mx_down_rows"):
-        dataclasses.replace(_expert_mx_plan((256,)), expert_mx_down_rows=24)
-    mmas, res = {}, {}
-    for rows in (16, 32):
-        plan = dataclasses.replace(_expert_mx_plan((3584, 3072)), threads=512, expert_mx_down_rows=rows,
-                                   expert_mx_down_unroll=2 if rows == 16 else 1)
-        _, _, dump = compile_plan(plan, tmp_path / str(rows), keep_ptx=True)
-        assert audit_dir(dump, expect_signals=False).ok, rows
-        path = next(dump.glob("*.ptx"))
-        mmas[rows] = path.read_text().count("mma.sync")
-        if find_ptxas() is not None:
-            res[rows] = ptxas_resources(path)
-            assert res[rows].registers <= 128, (rows, str(res[rows]))
-    assert mmas[32] > 0 and mmas[16] > 0, mmas
-    if res:
-        assert res[32].spill_store_bytes <= res[16].spill_store_bytes, {r: str(v) for r, v in res.items()}
-
-
 def test_expert_mx_probes_drop_only_their_part(cutlass_available, tmp_path):
     """KernelPlan.expert_mx_probe (diagnostic builds of benchmarks/mx_expert_body.py, wrong
     results): each compiles for sm_90a and passes the PTX audit, drops exactly its part (no

@@ -651,3 +651,13 @@ def test_router_split_default_follows_the_widest_router():
         assert low.plan().router_split is want, experts
     _, low = lower_for_cute(kimi_k3.build_graph("tiny", experts=160), 1, L)
     assert low.plan(router_split=False).router_split is False
+
+
+def test_norm_rows_parallel_default_follows_batch():
+    """Lowered.plan turns norm_rows_parallel on at B > 4 (timed at B = 16, neutral or slower at
+    B = 1 and 4: backends/cute/lower.py); an explicit value wins."""
+    for batch, want in ((1, False), (4, False), (8, True), (16, True)):
+        _, low = lower_for_cute(kimi_k3.build_graph("tiny"), batch, L)
+        assert low.plan().norm_rows_parallel is want, batch
+    _, low = lower_for_cute(kimi_k3.build_graph("tiny"), 16, L)
+    assert low.plan(norm_rows_parallel=False).norm_rows_parallel is False

@@ -500,16 +500,13 @@ class KernelPlan:
     # spills at task and unit entry and none in a chunk loop (GLU 2 and DOWN 4 as well), so
     # they are fields for a side-by-side run (benchmarks/plan_variants.py). Stop 29: DOWN 4 at
     # slice4 B = 1 -0.3% (control -0.0%), in lower.py's batch-1 plans.
+    # Stop 35 timed DOWN units of 32 rows (two 16-row tiles against one load of the activation
+    # fragments, GLU's loop; commit 0a1a318 has it): slice4 B = 16 -0.1% with one chunk in
+    # flight, +0.3% with two (control +0.3%), B = 1 -0.0% / +0.5%, the same bits
+    # (plan_variants_h200_slice4_b*_mx_down_rows_stop35.log): neither the activation loads nor a
+    # unit's fixed costs bound DOWN. Removed.
     expert_mx_glu_unroll: int = 1
     expert_mx_down_unroll: int = 2
-    # EXPERT_MXFP4 tensor-core body, DOWN: rows per unit, 16 or 32. With 32 a unit streams two
-    # 16-row tiles of its expert against one load of the group's activation fragments, the same
-    # loop as GLU's gate and up tiles (the B fragments are 4 activation loads per 32-column
-    # block and n8 tile: per DOWN weight byte 4x the bytes at B = 16 with 16-row units, 2x with
-    # 32), and a unit's fixed costs (pair lookups, addresses) are paid once for twice the
-    # weights. A unit with at most 16 live rows (a task's tail) takes the 16-row path.
-    # Stop 35, off until timed.
-    expert_mx_down_rows: int = 16
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -553,7 +550,9 @@ class KernelPlan:
     mla_wgmma_ksplit: bool = False
     # With mla_wgmma (stop 34, not yet timed): cache stages in the shared-memory ring, 2 (one in
     # flight while one is computed on) or 3 (two in flight: 72 KB an SM, for a stage that waits
-    # on HBM's latency; the ring, Q and the k-split exchange then take 213 KB).
+    # on HBM's latency; the ring, Q and the k-split exchange then take 213 KB). Stop 35, slice4-e128
+    # against the default (A/A control): 3 stages B = 16 +15.3%, B = 4 +9.5% (slower: the shared
+    # memory it takes from L1, or its longer waits; not profiled), so 2.
     mla_wgmma_stages: int = 2
     # MLA COMBINE, stop 25 (off until timed): lora / 2 threads per (b, h) item, the chunk weights
     # computed per thread as it goes, no barrier (the template's MLA_COMB_PAIRS). At B = 16 the
@@ -724,8 +723,6 @@ class KernelPlan:
         if not (1 <= self.expert_mx_glu_unroll <= 4 and 1 <= self.expert_mx_down_unroll <= 4):
             raise ValueError(f"expert_mx_glu_unroll {self.expert_mx_glu_unroll} and expert_mx_down_unroll "
                              f"{self.expert_mx_down_unroll} must be 1..4")
-        if self.expert_mx_down_rows not in (16, 32):
-            raise ValueError(f"expert_mx_down_rows {self.expert_mx_down_rows} must be 16 or 32")
         if self.expert_cols not in (8, 16):
             raise ValueError(f"expert_cols {self.expert_cols} must be 8 or 16")
         if self.mxfp4_decode not in ("f16", "lut"):

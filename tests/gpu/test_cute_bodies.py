@@ -44,19 +44,6 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     tiles the expert weights load under the L2 evict_first policy, as the runner builds them
     (KernelPlan.weight_evict_first); without, plainly. The cut cases (cut is True) run the
     ROUTER with its stop-29/30 fields on (KernelPlan.router_late_scores, router_compact)."""
-    _k3_bodies(batch, stream, cols, tiles, cut)
-
-
-@pytest.mark.parametrize("batch,down_tasks", [(16, 2), (16, 6), (16, 7), (4, 7), (1, 6)])
-def test_mx_down_rows32_matches_registry(batch, down_tasks):
-    """KernelPlan.expert_mx_down_rows = 32 (EXPERT_MXFP4 DOWN units of two 16-row tiles): the K3
-    bodies' case with tiles, the GLU tasks cut as above and the 256 DOWN rows cut into
-    `down_tasks` tasks: 2 (128 rows: whole 32-row units), 6 (42-43 rows: a 32-row unit, then a
-    10-11-row unit on the 16-row path), 7 (36-37: then 4-5 rows, a half unit)."""
-    _k3_bodies(batch, "regs", 8, True, True, down_rows=32, down_tasks=down_tasks)
-
-
-def _k3_bodies(batch, stream, cols, tiles, cut, down_rows=16, down_tasks=None):
     from fusec.backends.cute.weight_tiles import mx_tile, tile
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -88,7 +75,7 @@ def _k3_bodies(batch, stream, cols, tiles, cut, down_rows=16, down_tasks=None):
         h = torch.full((batch, k, inter), float("nan"), device="cuda", dtype=BF)
         y = torch.full((batch, k, d), float("nan"), device="cuda")
         tasks += wl.expert_glu_tasks(x, ids, t1, t3, h, 6 if cut else 3, 100 + 100 * i)
-        tasks += wl.expert_down_tasks(hin, ids, t2, y, down_tasks or (5 if cut else 2), 150 + 100 * i)
+        tasks += wl.expert_down_tasks(hin, ids, t2, y, 5 if cut else 2, 150 + 100 * i)
         outs.append((h, y, a1, a3, a2))
     # moe_combine (EW WSUM) on its own input: the 16-byte path (fp32 slots, aligned) and an
     # unaligned view of the same slots (the scalar path).
@@ -123,10 +110,8 @@ def _k3_bodies(batch, stream, cols, tiles, cut, down_rows=16, down_tasks=None):
                       expert_tiles=tiles, expert_mx_mma=tiles, expert_half_units=cut != "whole",
                       weight_evict_first="experts" if tiles else "",    # the runner's default on tiles
                       router_late_scores=cut is True, router_compact=4 if cut is True else 0,
-                      expert_mx_down_rows=down_rows,
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}"
-                           f"{'_' + cut if isinstance(cut, str) else ''}"
-                           f"{f'_d{down_rows}x{down_tasks}' if down_tasks else ''}")
+                           f"{'_' + cut if isinstance(cut, str) else ''}")
     rt = Megakernel(plan)
     rt.step()
     rt.check()
