@@ -136,18 +136,22 @@ class Interp:
         elif op == Opcode.EW:
             self.ew(r, B)
         elif op == Opcode.ATTENTION:
+            # The registry's attention over every head of the row's operands (the same fp32
+            # operations in the same order as the reference: a per-head re-derivation summed in
+            # another order and, at some inputs, rounded a bf16 output one step apart), then the
+            # row's (batch row, head) items stored.
             h, d, grp = r.p0, r.k, r.p2
             kvw = (h // grp) * d
+            L = r.p1 // kvw
+            pos = self.t(r.a4, torch.int32, (B,), (1,))
+            q = self.mat(r.a0, B, h * d, r.ldx)
+            kc = self.t(r.a1, torch.bfloat16, (B, L, kvw), (r.p1, kvw, 1))
+            vc = self.t(r.a5, torch.bfloat16, (B, L, kvw), (r.p1, kvw, 1))
+            o = get_op("attention").ref([q, kc, vc, pos], {"heads": h, "kv_heads": h // grp, "head_dim": d,
+                                                           "scale": _f32_lo(r.aux)})[0]
             for item in range(r.n0, r.n1):
                 b, hh = divmod(item, h)
-                p = int(self.t(r.a4, torch.int32, (B,), (1,))[b])
-                q = self.mat(r.a0, B, h * d, r.ldx)[b, hh * d:(hh + 1) * d].float()
-                kc = self.t(r.a1 + 2 * b * r.p1, torch.bfloat16, (p + 1, kvw), (kvw, 1))
-                vc = self.t(r.a5 + 2 * b * r.p1, torch.bfloat16, (p + 1, kvw), (kvw, 1))
-                kv0 = (hh // grp) * d
-                s = (kc[:, kv0:kv0 + d].float() @ q) * _f32_lo(r.aux)
-                o = torch.softmax(s, 0) @ vc[:, kv0:kv0 + d].float()
-                self.mat(r.a2, B, h * d, r.ldy)[b, hh * d:(hh + 1) * d] = o.to(torch.bfloat16)
+                self.mat(r.a2, B, h * d, r.ldy)[b, hh * d:(hh + 1) * d] = o[b, hh * d:(hh + 1) * d].to(torch.bfloat16)
         elif op == Opcode.ARGMAX:
             if r.sub == ArgmaxMode.COMBINE:     # K chunks' (value, column) pairs, LDX floats a chunk
                 p = self.t(r.a0, torch.float32, (r.k, r.n1, 2), (r.ldx, 2, 1))[:, r.n0:]
