@@ -80,6 +80,18 @@ for stage in "$@"; do
              ${NCU_ARGS:-} > "$OUT/ncu_$kn.log" 2>&1
            grep -v -i warn "$OUT/ncu_$kn.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|L1|L2|==ERR|rror" | head -60
          done ;;
+    ncu-mx-src) # Nsight Compute with source counters on one mx_expert_body.py kernel: stalls per SASS line
+                # (read offline from ncu_mx_sass.csv). NCU_KERNELS=mx_glu_b16_0 NCU_BATCH=16 bash ... ncu-mx-src
+                kn=${NCU_KERNELS:-mx_glu_b16_0}
+                timeout 400 ncu --clock-control none --kernel-name regex:"$kn" --launch-count 1 \
+                  --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SpeedOfLight \
+                  --section SourceCounters --section LaunchStats --section ComputeWorkloadAnalysis \
+                  --import-source no -f -o "$OUT/ncu_mx" \
+                  python3 benchmarks/mx_expert_body.py --batches ${NCU_BATCH:-16} --probes "" --no-bf16 --rounds 1 --reps 1 \
+                  ${NCU_ARGS:-} > "$OUT/ncu_mx_run.log" 2>&1
+                ncu --import "$OUT/ncu_mx.ncu-rep" > "$OUT/ncu_mx.log" 2>&1
+                ncu --import "$OUT/ncu_mx.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_mx_sass.csv" 2>&1
+                grep -v -i warn "$OUT/ncu_mx.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|Registers|Pipe|==ERR|rror" | head -70 ;;
     ncu-mla) # Nsight Compute on the MLA PARTIAL body alone (mla_partial.py, one step): stalls by reason and
              # the SASS lines they sample. NCU_BATCH=16 [MLA_VARIANTS=...] bash benchmarks/h200_session.sh ncu-mla
              timeout 400 ncu --clock-control none --kernel-name regex:kernel_cutlass_mla --launch-skip 1 --launch-count 1 \
@@ -113,6 +125,6 @@ for stage in "$@"; do
                timeout 280 python3 benchmarks/ab_seq_split.py --config ${SPEED_CONFIG:-slice4-e128} --batch $b \
                  --op ${AB_OP:-argmax} --rounds ${PLAN_ROUNDS:-5} ${PLAN_ARGS:-} 2>&1 | grep -v Warn
              done | tee "$OUT/ab_seq_split.log" | grep -E "^\||built|error" ;;
-    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, absplit, overhead, mxbody, ncu, ncu-mla, ncu-step, wgmma)"; exit 2 ;;
+    *) echo "unknown stage $stage (gemv, gemv-tests, mla, speed, ratio, ranks, bodies, model, model-k3, model-small, tests, compile, variants, absplit, overhead, mxbody, ncu, ncu-mx-src, ncu-mla, ncu-step, wgmma)"; exit 2 ;;
   esac
 done

@@ -349,10 +349,12 @@ def test_streaming_bodies_do_not_spill(cutlass_available, tmp_path, batch):
         _, _, dump = compile_plan(plan, tmp_path / name, keep_ptx=True)
         res = ptxas_resources(next(dump.glob("*.ptx")))
         # The MXFP4 body with its half-unit loops (expert_half_units) spills 12 B at B = 4, 24 B
-        # with lean_dispatch (stop 27): the SASS (nvdisasm) has those stores at task entry and the
-        # reloads per task / unit, none in a chunk loop (7 HMMA loops, no STL / LDL, B = 4 and
-        # 16); more than 24 B is a new spill.
-        allowed = 24 if name == "expert_mx" else 0
+        # with lean_dispatch (stop 27), 40 B with stop 36's lean decode (timed 1.0% faster at
+        # slice4 B = 16): the SASS (nvdisasm) has those stores at task entry and the reloads per
+        # task / unit, none in a chunk loop (7 innermost HMMA loops, no STL / LDL in them, B = 4
+        # and 16; stop 36: 9 STL / 16 LDL outside them, against 6 / 11); more than 40 B is a new
+        # spill.
+        allowed = 40 if name == "expert_mx" else 0
         assert res.registers <= 128 and res.spill_store_bytes <= allowed and res.spill_load_bytes <= 2 * allowed, (
             name, str(res))
 
@@ -454,6 +456,36 @@ def test_expert_mx_unrolls_are_plan_fields(cutlass_available, tmp_path):
         assert audit_dir(dump, expect_signals=False).ok, u
         loads[u] = next(dump.glob("*.ptx")).read_text().count("ld.global.v4")
     assert loads[(2, 4)] > loads[(1, 2)] > 0
+
+
+def test_expert_mx_l1_ahead_prefetches_weights_only(cutlass_available, tmp_path):
+    """KernelPlan.expert_mx_l1_ahead (0 by default): the MXFP4 tensor-core body asks L1 for the
+    weight and scale lines of a later chunk. The build compiles for sm_90a, passes the PTX audit,
+    adds prefetch.global.L1 and nothing else that touches memory (the same loads and stores as
+    the default build), and fits ptxas' 128 registers without a spill; off, there is no
+    prefetch. Refused past 4 or without expert_mx_mma."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
+
+    plan = _expert_mx_plan((3584, 3072))
+    assert plan.expert_mx_l1_ahead == 0
+    with pytest.raises(ValueError, match="expert_mx_l1_ahead"):
+        dataclasses.replace(plan, expert_mx_l1_ahead=5)
+    with pytest.raises(ValueError, match="expert_mx_l1_ahead"):
+        dataclasses.replace(plan, expert_mx_mma=False, expert_mx_l1_ahead=1)
+    ptx, res = {}, {}
+    for d in (0, 2):
+        _, _, dump = compile_plan(dataclasses.replace(plan, expert_mx_l1_ahead=d), tmp_path / f"d{d}", keep_ptx=True)
+        assert audit_dir(dump, expect_signals=False).ok, d
+        path = next(dump.glob("*.ptx"))
+        ptx[d] = path.read_text()
+        res[d] = ptxas_resources(path) if find_ptxas() else None
+    assert "prefetch.global.L1" not in ptx[0] and ptx[2].count("prefetch.global.L1") > 0
+    for op in ("ld.global", "st.global", "cp.async", "atom."):
+        assert ptx[2].count(op) == ptx[0].count(op), op
+    if res[2] is not None:   # no more spill than the default build's (test_bodies_fit_registers' 24 B)
+        assert res[2].registers <= 128 and res[2].spill_store_bytes <= res[0].spill_store_bytes, (str(res[0]), str(res[2]))
 
 
 def test_weight_evict_first_covers_the_expert_loads(cutlass_available, tmp_path):

@@ -74,7 +74,7 @@ def test_mx_tiles_read_back_one_expert_at_a_time():
 
 
 def _run_ptx(text: str, regs: dict) -> dict:
-    """A few PTX instructions (and / or / shl .b32, shr .u32, mul.rn.bf16x2) on Python ints:
+    """A few PTX instructions (and / or / shl .b32, shr / mul.lo .u32, mul.rn.bf16x2) on Python ints:
     enough for the MXFP4 decode, and independent of the code it checks."""
     def val(x):
         x = x.strip()
@@ -94,16 +94,19 @@ def _run_ptx(text: str, regs: dict) -> dict:
         d, *src = (a.strip() for a in args.split(","))
         a, b = val(src[0]), val(src[1])
         regs[d] = {"and.b32": lambda: a & b, "or.b32": lambda: a | b, "shl.b32": lambda: (a << b) & 0xFFFFFFFF,
-                   "shr.u32": lambda: a >> b, "mul.rn.bf16x2": lambda: bf16x2_mul(a, b)}[op]()
+                   "shr.u32": lambda: a >> b, "mul.lo.u32": lambda: (a * b) & 0xFFFFFFFF,
+                   "mul.rn.bf16x2": lambda: bf16x2_mul(a, b)}[op]()
     return regs
 
 
-def test_kernel_decode_ptx_gives_the_ocp_values():
+@pytest.mark.parametrize("form", ["MX_DECODE_PTX", "MX_DECODE_PTX_SHIFTS"])
+def test_kernel_decode_ptx_gives_the_ocp_values(form):
     """The EXPERT_MXFP4 body's own decode instructions (weight_tiles.MX_DECODE_PTX, pasted into
     the kernel as its inline asm) and block factor (MX_FACTOR), run on tile words of known
     nibbles: the four bf16x2 results are the E2M1 values times 2^(s - 127), pairs (0, 1) ..
-    (6, 7), for every nibble and scale bytes 0..128."""
-    from fusec.backends.cute.weight_tiles import MX_DECODE_PTX, MX_FACTOR, _mx_words
+    (6, 7), for every nibble and scale bytes 0..128; both forms (plan.expert_mx_lean_decode)."""
+    from fusec.backends.cute import weight_tiles
+    from fusec.backends.cute.weight_tiles import MX_FACTOR, _mx_words
     from fusec.ir.quant import E2M1_VALUES
 
     g = torch.Generator().manual_seed(11)
@@ -113,7 +116,7 @@ def test_kernel_decode_ptx_gives_the_ocp_values():
     for i, (w, n) in enumerate(zip(words.tolist(), nibs.tolist())):
         s = [0, 1, 2, 100, 126, 127, 128][i % 7]
         f = s * MX_FACTOR[0] + MX_FACTOR[1]
-        out = _run_ptx(MX_DECODE_PTX, {"$4": w & 0xFFFFFFFF, "$5": f})
+        out = _run_ptx(getattr(weight_tiles, form), {"$4": w & 0xFFFFFFFF, "$5": f})
         got = torch.tensor([out[f"${j}"] for j in range(4)], dtype=torch.int64)
         got = torch.stack([got & 0xFFFF, got >> 16], -1).flatten().to(torch.int32).to(torch.int16).view(torch.bfloat16)
         want = [(-1.0 if v & 8 else 1.0) * E2M1_VALUES[v & 7] * 2.0 ** (s - 127) for v in n]
