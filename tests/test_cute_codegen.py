@@ -458,34 +458,22 @@ def test_expert_mx_unrolls_are_plan_fields(cutlass_available, tmp_path):
     assert loads[(2, 4)] > loads[(1, 2)] > 0
 
 
-def test_expert_mx_l1_ahead_prefetches_weights_only(cutlass_available, tmp_path):
-    """KernelPlan.expert_mx_l1_ahead (0 by default): the MXFP4 tensor-core body asks L1 for the
-    weight and scale lines of a later chunk. The build compiles for sm_90a, passes the PTX audit,
-    adds prefetch.global.L1 and nothing else that touches memory (the same loads and stores as
-    the default build), and fits ptxas' 128 registers without a spill; off, there is no
-    prefetch. Refused past 4 or without expert_mx_mma."""
+def test_expert_mx_decode_is_the_lean_form(cutlass_available, tmp_path):
+    """The MXFP4 tensor-core body's decode in the compiled kernel is weight_tiles.MX_DECODE_PTX
+    (the third bf16 pair's two shifts as one multiply by 66) and its block factor takes the
+    middle scale bytes with one prmt each (selectors 0x4441 / 0x4442: the byte, then zeros):
+    both are in the sm_90a PTX, which passes the audit."""
     from fusec.backends.cute.codegen import compile_plan
     from fusec.backends.cute.ptx_audit import audit_dir
-    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
+    from fusec.backends.cute.weight_tiles import MX_DECODE_PTX
 
-    plan = _expert_mx_plan((3584, 3072))
-    assert plan.expert_mx_l1_ahead == 0
-    with pytest.raises(ValueError, match="expert_mx_l1_ahead"):
-        dataclasses.replace(plan, expert_mx_l1_ahead=5)
-    with pytest.raises(ValueError, match="expert_mx_l1_ahead"):
-        dataclasses.replace(plan, expert_mx_mma=False, expert_mx_l1_ahead=1)
-    ptx, res = {}, {}
-    for d in (0, 2):
-        _, _, dump = compile_plan(dataclasses.replace(plan, expert_mx_l1_ahead=d), tmp_path / f"d{d}", keep_ptx=True)
-        assert audit_dir(dump, expect_signals=False).ok, d
-        path = next(dump.glob("*.ptx"))
-        ptx[d] = path.read_text()
-        res[d] = ptxas_resources(path) if find_ptxas() else None
-    assert "prefetch.global.L1" not in ptx[0] and ptx[2].count("prefetch.global.L1") > 0
-    for op in ("ld.global", "st.global", "cp.async", "atom."):
-        assert ptx[2].count(op) == ptx[0].count(op), op
-    if res[2] is not None:   # no more spill than the default build's (test_bodies_fit_registers' 24 B)
-        assert res[2].registers <= 128 and res[2].spill_store_bytes <= res[0].spill_store_bytes, (str(res[0]), str(res[2]))
+    assert "mul.lo.u32 t, t, 66;" in MX_DECODE_PTX
+    _, _, dump = compile_plan(_expert_mx_plan((3584, 3072)), tmp_path, keep_ptx=True)
+    assert audit_dir(dump, expect_signals=False).ok
+    ptx = next(dump.glob("*.ptx")).read_text()
+    assert ptx.count("mul.lo.u32 t, t, 66;") > 0
+    for sel in (0x4441, 0x4442):
+        assert f", 0, {sel};" in ptx, sel
 
 
 def test_weight_evict_first_covers_the_expert_loads(cutlass_available, tmp_path):

@@ -99,14 +99,12 @@ def _run_ptx(text: str, regs: dict) -> dict:
     return regs
 
 
-@pytest.mark.parametrize("form", ["MX_DECODE_PTX", "MX_DECODE_PTX_SHIFTS"])
-def test_kernel_decode_ptx_gives_the_ocp_values(form):
+def test_kernel_decode_ptx_gives_the_ocp_values():
     """The EXPERT_MXFP4 body's own decode instructions (weight_tiles.MX_DECODE_PTX, pasted into
     the kernel as its inline asm) and block factor (MX_FACTOR), run on tile words of known
     nibbles: the four bf16x2 results are the E2M1 values times 2^(s - 127), pairs (0, 1) ..
-    (6, 7), for every nibble and scale bytes 0..128; both forms (plan.expert_mx_lean_decode)."""
-    from fusec.backends.cute import weight_tiles
-    from fusec.backends.cute.weight_tiles import MX_FACTOR, _mx_words
+    (6, 7), for every nibble and scale bytes 0..128."""
+    from fusec.backends.cute.weight_tiles import MX_DECODE_PTX, MX_FACTOR, _mx_words
     from fusec.ir.quant import E2M1_VALUES
 
     g = torch.Generator().manual_seed(11)
@@ -116,7 +114,7 @@ def test_kernel_decode_ptx_gives_the_ocp_values(form):
     for i, (w, n) in enumerate(zip(words.tolist(), nibs.tolist())):
         s = [0, 1, 2, 100, 126, 127, 128][i % 7]
         f = s * MX_FACTOR[0] + MX_FACTOR[1]
-        out = _run_ptx(getattr(weight_tiles, form), {"$4": w & 0xFFFFFFFF, "$5": f})
+        out = _run_ptx(MX_DECODE_PTX, {"$4": w & 0xFFFFFFFF, "$5": f})
         got = torch.tensor([out[f"${j}"] for j in range(4)], dtype=torch.int64)
         got = torch.stack([got & 0xFFFF, got >> 16], -1).flatten().to(torch.int32).to(torch.int16).view(torch.bfloat16)
         want = [(-1.0 if v & 8 else 1.0) * E2M1_VALUES[v & 7] * 2.0 ** (s - 127) for v in n]

@@ -24,7 +24,7 @@ from .plan import (ATTN_MAX_HEAD_DIM, ATTN_RES_MAX_SOURCES, ATTN_RES_VECS, ERR_W
                    MLA_MAX_LORA, MLA_MAX_ROPE, ArgmaxMode, MlaMode, PROF_FIELDS, PROF_OFFSET_WORDS,
                    PF_LOOKAHEAD, ROUTER_MAX_TOPK, ROW_WORDS, ROW_WORDS_RANKS, CommOp, ErrWord, EwOp, ExpertMode,
                    F32Flag, KernelPlan, Opcode, RankWord, ScopeCode, Word)
-from .weight_tiles import MX_DECODE_PTX, MX_DECODE_PTX_SHIFTS, MX_FACTOR
+from .weight_tiles import MX_DECODE_PTX, MX_FACTOR
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
 DEFAULT_ARCH = GPUS["h200"].arch   # sm_90a: the kernels use Hopper-only features
@@ -62,7 +62,7 @@ def render(plan: KernelPlan) -> str:
         mla_max_lora=MLA_MAX_LORA,
         mla_max_rope=MLA_MAX_ROPE,
         mla_max_chunks=MLA_MAX_CHUNKS,
-        mx_decode_ptx=MX_DECODE_PTX if 'mul' in plan.expert_mx_lean_decode.split('+') else MX_DECODE_PTX_SHIFTS,
+        mx_decode_ptx=MX_DECODE_PTX,
         mx_factor=[hex(v) for v in MX_FACTOR],
         attn_max_d=ATTN_MAX_HEAD_DIM,
         mla_modes=list(MlaMode),

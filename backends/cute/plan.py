@@ -507,18 +507,11 @@ class KernelPlan:
     # unit's fixed costs bound DOWN. Removed.
     expert_mx_glu_unroll: int = 1
     expert_mx_down_unroll: int = 2
-    # EXPERT_MXFP4 (expert_mx_mma): each chunk iteration first asks L1 for the weight and scale
-    # lines of the chunk this many iterations ahead (prefetch.global.L1; 0 = off). Nsight Compute
-    # on the body alone (B = 16 GLU, stop 36) has 30% of its stall samples at the first use of a
-    # chunk's loaded words (long scoreboard): the warp loads a chunk, waits the whole DRAM
-    # latency, then decodes it. More chunks in registers (the unroll fields, a look-ahead) spills
-    # at the whole kernel's 128 registers; a prefetch holds no register.
-    expert_mx_l1_ahead: int = 0
-    # EXPERT_MXFP4 decode forms (stop 36; the body alone is bound by its instructions per unit,
-    # not its bytes): "mul", the third bf16 pair's two shifts as one multiply
-    # (weight_tiles.MX_DECODE_PTX, 10 integer ops a word, not 11); "prmt", the middle scale
-    # bytes of the block factor by one prmt, not a shift and a mask; "mul+prmt" both; "" neither.
-    expert_mx_lean_decode: str = "mul+prmt"
+    # Stop 36 timed a prefetch.global.L1 of the weight and scale lines 1-3 chunks ahead of the
+    # loads (expert_mx_l1_ahead, commit 908a695): on the body alone at B = 16 its long-scoreboard
+    # stalls fell from 38% to 21% of the samples but the time did not move (GLU 716 -> 715 /
+    # 726 / 746 us, DOWN 398 -> 401 / 401 / 405): the issue slots and the ALU took the stall
+    # (mx_expert_body_h200_l1_ahead_stop36.log, ncu_h200_mx_glu_b16_stalls_stop36.txt). Removed.
     spin_timeout_ns: int = 200_000_000
     extra_opcodes: tuple[Opcode, ...] = ()  # bodies to compile even if no task uses them yet
     relaxed_spin: bool = False  # planted bug: spin with relaxed loads and no fence (audit must fail)
@@ -732,10 +725,6 @@ class KernelPlan:
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")
-        if self.expert_mx_lean_decode not in ("", "mul", "prmt", "mul+prmt"):
-            raise ValueError(f"expert_mx_lean_decode {self.expert_mx_lean_decode!r} must be '', 'mul', 'prmt' or 'mul+prmt'")
-        if not 0 <= self.expert_mx_l1_ahead <= 4 or (self.expert_mx_l1_ahead and not self.expert_mx_mma):
-            raise ValueError(f"expert_mx_l1_ahead {self.expert_mx_l1_ahead} must be 0..4 (and needs expert_mx_mma)")
         if not (1 <= self.expert_mx_glu_unroll <= 4 and 1 <= self.expert_mx_down_unroll <= 4):
             raise ValueError(f"expert_mx_glu_unroll {self.expert_mx_glu_unroll} and expert_mx_down_unroll "
                              f"{self.expert_mx_down_unroll} must be 1..4")

@@ -38,7 +38,12 @@ MX_COLS = 128            # an MXFP4 tile: 16 rows x 128 columns (1 KB of nibbles
 # are one multiply: (w & 0x40074007) * 66 = (x << 6) + (x << 1) adds two copies of the pair's
 # source bits whose set bits never meet (no carry), and the mask keeps exactly the magnitude
 # bits of the first and the signs of the second (10 integer ops a word, not 11; an exhaustive
-# search over shift, mask and multiply forms of this placement finds none shorter).
+# search over shift, mask and multiply forms of this placement finds none shorter). With the
+# factor's prmt (bodies/expert.py.j2 _mx_factor), stop 36 timed it against the shifts form side
+# by side (same bits): slice4 B = 16 -1.0%, B = 1 -0.3%, A/A control -0.1%
+# (plan_variants_h200_slice4_b*_lean_decode_stop36.log). It moves work from the ALU pipe to the
+# FMA pipe more than it removes ALU work (7 ALU ops a word either way): the body is bound by
+# its issue and latency per 16-row unit, not by one pipe.
 MX_EM = (6, 22, 3, 19, 0, 16, 9, 25)
 MX_SIGN = (15, 31, 12, 28, 14, 30, 13, 29)
 # The body's block factor 2^(s - 1) is a bf16, so every scale byte must be <= 128 (block values
@@ -54,13 +59,6 @@ MX_DECODE_PTX = (
     "and.b32 t, $4, 0x40074007; mul.lo.u32 t, t, 66; and.b32 c, t, 0x81C081C0;\n"
     "shr.u32 t, $4, 3; and.b32 t, t, 0x01C001C0; shl.b32 u, $4, 2; and.b32 u, u, 0x80008000; or.b32 d, t, u;\n"
     "mul.rn.bf16x2 $0, a, $5; mul.rn.bf16x2 $1, b, $5; mul.rn.bf16x2 $2, c, $5; mul.rn.bf16x2 $3, d, $5; }")
-
-
-# The same decode with the third pair's two shifts (11 integer ops; plan.expert_mx_lean_decode
-# off): kept for a side-by-side run until the multiply form is timed.
-MX_DECODE_PTX_SHIFTS = MX_DECODE_PTX.replace(
-    "and.b32 t, $4, 0x40074007; mul.lo.u32 t, t, 66; and.b32 c, t, 0x81C081C0;\n",
-    "shl.b32 t, $4, 6; and.b32 t, t, 0x01C001C0; shl.b32 u, $4, 1; and.b32 u, u, 0x80008000; or.b32 c, t, u;\n")
 
 
 class TileLayoutError(ValueError):
