@@ -476,6 +476,33 @@ def test_expert_mx_decode_is_the_lean_form(cutlass_available, tmp_path):
         assert f", 0, {sel};" in ptx, sel
 
 
+def test_expert_mx_acc_split_field(cutlass_available, tmp_path):
+    """KernelPlan.expert_mx_acc_split (off by default): the MXFP4 tensor-core body accumulates its
+    odd 32-column blocks into a second register set. The build compiles for sm_90a, passes the
+    PTX audit, keeps the default build's MMAs and weight loads (the same work, two chains), and
+    stays within ptxas' 128 registers; refused without expert_mx_mma."""
+    from fusec.backends.cute.codegen import compile_plan
+    from fusec.backends.cute.ptx_audit import audit_dir
+    from fusec.backends.cute.ptxas_resources import find_ptxas, ptxas_resources
+
+    plan = _expert_mx_plan((3584, 3072))
+    assert plan.expert_mx_acc_split is False
+    with pytest.raises(ValueError, match="expert_mx_acc_split"):
+        dataclasses.replace(plan, expert_mx_mma=False, expert_mx_acc_split=True)
+    ptx = {}
+    for split in (False, True):
+        _, _, dump = compile_plan(dataclasses.replace(plan, expert_mx_acc_split=split), tmp_path / str(split),
+                                  keep_ptx=True)
+        assert audit_dir(dump, expect_signals=False).ok, split
+        path = next(dump.glob("*.ptx"))
+        ptx[split] = path.read_text()
+        if split and find_ptxas():
+            assert ptxas_resources(path).registers <= 128
+    for op in ("mma.sync", "ld.global.v4", "mul.rn.bf16x2"):
+        assert ptx[True].count(op) == ptx[False].count(op) > 0, op
+    assert ptx[True] != ptx[False]
+
+
 def test_weight_evict_first_covers_the_expert_loads(cutlass_available, tmp_path):
     """KernelPlan.weight_evict_first: "experts" turns every 16-byte weight load of the bf16 and
     MXFP4 expert tensor-core bodies into an ld.global with an L2 evict_first cache policy, "all"

@@ -507,6 +507,11 @@ class KernelPlan:
     # unit's fixed costs bound DOWN. Removed.
     expert_mx_glu_unroll: int = 1
     expert_mx_down_unroll: int = 2
+    # EXPERT_MXFP4 (expert_mx_mma): the odd 32-column blocks' MMAs accumulate into a second set
+    # of registers, summed at the unit's end, so a chunk's MMAs form two chains of 4 per matrix
+    # and n8 tile instead of one of 8 (stop 36: the body alone stalls on fixed-latency
+    # dependencies in 17-20% of its samples). Off: built and checked on the CPU, not timed yet.
+    expert_mx_acc_split: bool = False
     # Stop 36 timed a prefetch.global.L1 of the weight and scale lines 1-3 chunks ahead of the
     # loads (expert_mx_l1_ahead, commit 908a695): on the body alone at B = 16 its long-scoreboard
     # stalls fell from 38% to 21% of the samples but the time did not move (GLU 716 -> 715 /
@@ -725,6 +730,8 @@ class KernelPlan:
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")
+        if self.expert_mx_acc_split and not self.expert_mx_mma:
+            raise ValueError("expert_mx_acc_split needs expert_mx_mma")
         if not (1 <= self.expert_mx_glu_unroll <= 4 and 1 <= self.expert_mx_down_unroll <= 4):
             raise ValueError(f"expert_mx_glu_unroll {self.expert_mx_glu_unroll} and expert_mx_down_unroll "
                              f"{self.expert_mx_down_unroll} must be 1..4")

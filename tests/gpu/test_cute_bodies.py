@@ -30,7 +30,8 @@ def ref(name, args, **attrs):
     (1, "regs", 8, False, False), (4, "regs", 8, False, False), (16, "regs", 8, False, False),
     (16, "regs", 16, False, False), (1, "regs", 8, True, False), (4, "regs", 8, True, False),
     (16, "regs", 8, True, False), (1, "regs", 8, True, True), (16, "regs", 8, True, True),
-    (16, "regs", 16, True, True), (16, "regs", 8, True, "whole"),
+    (16, "regs", 16, True, True), (16, "regs", 8, True, "whole"), (16, "regs", 8, True, "split"),
+    (1, "regs", 8, True, "split"),
     (1, "ring", 8, False, False), (4, "ring", 8, False, False), (16, "ring", 8, False, False)])
 def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
@@ -39,7 +40,8 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     (expert_mx_mma; its scale bytes capped at 128, the body's domain). `cut`: the expert rows
     cut into tasks whose last 16-row unit has at most 8 live rows (6 GLU tasks of 21-22 rows,
     5 DOWN tasks of 51-52), where the MXFP4 tensor-core body runs the short last units as two K
-    halves (expert_half_units, on by default), or "whole": that cut without it. 64 pairs over 8
+    halves (expert_half_units, on by default), or "whole": that cut without it, or "split": that
+    cut with the MXFP4 body's odd blocks in a second accumulator set (expert_mx_acc_split). 64 pairs over 8
     experts at B = 16: experts chosen by more pairs than a group holds take several groups. With
     tiles the expert weights load under the L2 evict_first policy, as the runner builds them
     (KernelPlan.weight_evict_first); without, plainly. The cut cases (cut is True) run the
@@ -110,6 +112,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
                       expert_tiles=tiles, expert_mx_mma=tiles, expert_half_units=cut != "whole",
                       weight_evict_first="experts" if tiles else "",    # the runner's default on tiles
                       router_late_scores=cut is True, router_compact=4 if cut is True else 0,
+                      expert_mx_acc_split=cut == "split",
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}"
                            f"{'_' + cut if isinstance(cut, str) else ''}")
     rt = Megakernel(plan)
