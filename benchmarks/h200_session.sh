@@ -81,7 +81,8 @@ for stage in "$@"; do
            grep -v -i warn "$OUT/ncu_$kn.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|L1|L2|==ERR|rror" | head -60
          done ;;
     ncu-mx-src) # Nsight Compute with source counters on one mx_expert_body.py kernel: stalls per SASS line
-                # (read offline from ncu_mx_sass.csv). NCU_KERNELS=mx_glu_b16_0 NCU_BATCH=16 bash ... ncu-mx-src
+                # (ncu_mx_sass.csv; its summary by benchmarks/ncu_sass_summary.py in ncu_mx_stalls.txt).
+                # NCU_KERNELS=mx_glu_b16_0 NCU_BATCH=16 [NCU_ARGS="--variants f=v"] bash ... ncu-mx-src
                 kn=${NCU_KERNELS:-mx_glu_b16_0}
                 timeout 400 ncu --clock-control none --kernel-name regex:"$kn" --launch-count 1 \
                   --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SpeedOfLight \
@@ -91,6 +92,7 @@ for stage in "$@"; do
                   ${NCU_ARGS:-} > "$OUT/ncu_mx_run.log" 2>&1
                 ncu --import "$OUT/ncu_mx.ncu-rep" > "$OUT/ncu_mx.log" 2>&1
                 ncu --import "$OUT/ncu_mx.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_mx_sass.csv" 2>&1
+                python3 benchmarks/ncu_sass_summary.py "$OUT/ncu_mx_sass.csv" > "$OUT/ncu_mx_stalls.txt" 2>&1
                 grep -v -i warn "$OUT/ncu_mx.log" | grep -E "^  [A-Z]|Stall|Issue|Throughput|Warp Cycles|Eligible|Active|Hit|DRAM|Registers|Pipe|==ERR|rror" | head -70 ;;
     ncu-mla) # Nsight Compute on the MLA PARTIAL body alone (mla_partial.py, one step): stalls by reason and
              # the SASS lines they sample. NCU_BATCH=16 [MLA_VARIANTS=...] bash benchmarks/h200_session.sh ncu-mla
