@@ -182,6 +182,14 @@ class Lowered:
         # plan_variants_h200_slice4_b1_norm_rows_stop35.log): off there. RMSNORM at B > 1 then sums
         # a row's squares in another order: other logits bits (next tokens the same in these runs).
         kw.setdefault("norm_rows_parallel", self.batch > 4)
+        # Stop 37: a half unit of a group of at most 4 pairs as one MMA per k16 step
+        # (expert_mx_half_pack) wherever the MXFP4 tensor-core body runs with half units. The
+        # body alone (benchmarks/mx_expert_body.py, K3's shapes): GLU 704 -> 664 us at B = 16, 74 ->
+        # 71 at B = 1 (DOWN has no half units at K3's cut: unchanged). slice4 step side by side
+        # with an A/A control (3 rounds, random state, logits bit for bit the same): B = 16 5872
+        # -> 5760 us (-1.9%; control -1.3%, its rounds spread 5769-6006), B = 1 2538 -> 2525
+        # (-0.5%, control -0.0%) (docs/results/plan_variants_h200_slice4_b*_half_pack_stop37.log).
+        kw.setdefault("expert_mx_half_pack", bool(kw.get("expert_mx_mma")) and kw.get("expert_half_units", True))
         kw.setdefault("name", "megakernel_" + self.schedule.graph.name.replace(".", "_"))
         plan = KernelPlan(tasks=tuple(rows), queues=self.queues, num_events=self.num_events,
                           batch=self.batch, **kw)

@@ -507,11 +507,19 @@ class KernelPlan:
     # unit's fixed costs bound DOWN. Removed.
     expert_mx_glu_unroll: int = 1
     expert_mx_down_unroll: int = 2
-    # EXPERT_MXFP4 (expert_mx_mma): the odd 32-column blocks' MMAs accumulate into a second set
-    # of registers, summed at the unit's end, so a chunk's MMAs form two chains of 4 per matrix
-    # and n8 tile instead of one of 8 (stop 36: the body alone stalls on fixed-latency
-    # dependencies in 17-20% of its samples). Off: built and checked on the CPU, not timed yet.
-    expert_mx_acc_split: bool = False
+    # EXPERT_MXFP4 (expert_mx_mma, expert_half_units): a half unit (at most 8 live rows) of a
+    # group of at most 4 pairs packs its two K halves into one MMA per k16 step: A's rows g hold
+    # the first half's weights and rows g + 8 the second's, B's columns 0-3 the pairs' first-half
+    # activations and 4-7 their second-half ones, so the products wanted are D's blocks
+    # (rows 0-7, columns 0-3) and (rows 8-15, columns 4-7), summed across lanes q and q + 2 by
+    # one shuffle at the unit's end. Without it a half unit multiplies each K half against its
+    # own activations with the other row block zero: twice the MMAs and activation loads of a
+    # full unit's chunk for half its chunks (stop 36: a half unit costs ~3/4 of a full one).
+    # A group of more than 4 pairs keeps that path. Stop 36's expert_mx_acc_split (the odd
+    # blocks into a second accumulator set: two MMA chains of 4 per chunk instead of one of 8)
+    # measured GLU +7% / DOWN -0.5% at B = 16 and +5% / +2% at B = 1 on the body alone
+    # (mx_expert_body_h200_acc_split_stop37.log): removed.
+    expert_mx_half_pack: bool = False
     # Stop 36 timed a prefetch.global.L1 of the weight and scale lines 1-3 chunks ahead of the
     # loads (expert_mx_l1_ahead, commit 908a695): on the body alone at B = 16 its long-scoreboard
     # stalls fell from 38% to 21% of the samples but the time did not move (GLU 716 -> 715 /
@@ -730,8 +738,8 @@ class KernelPlan:
         if self.expert_mx_mma and (self.ranks > 1 or any(
                 t.k % 128 for t in self.tasks if t.opcode == Opcode.EXPERT_MXFP4)):
             raise ValueError("expert_mx_mma needs K % 128 == 0 in every EXPERT_MXFP4 row and one rank")
-        if self.expert_mx_acc_split and not self.expert_mx_mma:
-            raise ValueError("expert_mx_acc_split needs expert_mx_mma")
+        if self.expert_mx_half_pack and not (self.expert_mx_mma and self.expert_half_units):
+            raise ValueError("expert_mx_half_pack needs expert_mx_mma and expert_half_units")
         if not (1 <= self.expert_mx_glu_unroll <= 4 and 1 <= self.expert_mx_down_unroll <= 4):
             raise ValueError(f"expert_mx_glu_unroll {self.expert_mx_glu_unroll} and expert_mx_down_unroll "
                              f"{self.expert_mx_down_unroll} must be 1..4")

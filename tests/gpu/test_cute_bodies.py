@@ -30,8 +30,8 @@ def ref(name, args, **attrs):
     (1, "regs", 8, False, False), (4, "regs", 8, False, False), (16, "regs", 8, False, False),
     (16, "regs", 16, False, False), (1, "regs", 8, True, False), (4, "regs", 8, True, False),
     (16, "regs", 8, True, False), (1, "regs", 8, True, True), (16, "regs", 8, True, True),
-    (16, "regs", 16, True, True), (16, "regs", 8, True, "whole"), (16, "regs", 8, True, "split"),
-    (1, "regs", 8, True, "split"),
+    (16, "regs", 16, True, True), (16, "regs", 8, True, "whole"), (1, "regs", 8, True, "pack"),
+    (4, "regs", 8, True, "pack"), (16, "regs", 8, True, "pack"),
     (1, "ring", 8, False, False), (4, "ring", 8, False, False), (16, "ring", 8, False, False)])
 def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     """`stream`: EXPERT_BF16's weight streaming (KernelPlan.expert_stream); `cols`: its group
@@ -40,8 +40,10 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     (expert_mx_mma; its scale bytes capped at 128, the body's domain). `cut`: the expert rows
     cut into tasks whose last 16-row unit has at most 8 live rows (6 GLU tasks of 21-22 rows,
     5 DOWN tasks of 51-52), where the MXFP4 tensor-core body runs the short last units as two K
-    halves (expert_half_units, on by default), or "whole": that cut without it, or "split": that
-    cut with the MXFP4 body's odd blocks in a second accumulator set (expert_mx_acc_split). 64 pairs over 8
+    halves (expert_half_units, on by default), or "whole": that cut without it, or "pack": that
+    cut with expert_mx_half_pack (a half unit of a group of at most 4 pairs as one MMA per k16
+    step: every group at B = 1, most at B = 4, few at B = 16), at twice the intermediate width
+    so that the DOWN rows have half units too (12 GLU tasks of 21-22 rows, DOWN K = 256). 64 pairs over 8
     experts at B = 16: experts chosen by more pairs than a group holds take several groups. With
     tiles the expert weights load under the L2 evict_first policy, as the runner builds them
     (KernelPlan.weight_evict_first); without, plainly. The cut cases (cut is True) run the
@@ -50,7 +52,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-    e, d, inter, k = 8, 256, 128, 4
+    e, d, inter, k = 8, 256, 256 if cut == "pack" else 128, 4
     # Router: 40 experts, top 4, one expert forced to the top by its bias.
     logits, bias = r(batch, 40), (0.1 * r(40)).float()
     bias[7] = 10.0
@@ -76,7 +78,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
     for i, ((a1, a3, a2), (t1, t3, t2)) in enumerate(zip(((w1, w3, w2), q), (wt, qt))):
         h = torch.full((batch, k, inter), float("nan"), device="cuda", dtype=BF)
         y = torch.full((batch, k, d), float("nan"), device="cuda")
-        tasks += wl.expert_glu_tasks(x, ids, t1, t3, h, 6 if cut else 3, 100 + 100 * i)
+        tasks += wl.expert_glu_tasks(x, ids, t1, t3, h, 12 if cut == "pack" else 6 if cut else 3, 100 + 100 * i)
         tasks += wl.expert_down_tasks(hin, ids, t2, y, 5 if cut else 2, 150 + 100 * i)
         outs.append((h, y, a1, a3, a2))
     # moe_combine (EW WSUM) on its own input: the 16-byte path (fp32 slots, aligned) and an
@@ -112,7 +114,7 @@ def test_k3_bodies_match_registry(batch, stream, cols, tiles, cut):
                       expert_tiles=tiles, expert_mx_mma=tiles, expert_half_units=cut != "whole",
                       weight_evict_first="experts" if tiles else "",    # the runner's default on tiles
                       router_late_scores=cut is True, router_compact=4 if cut is True else 0,
-                      expert_mx_acc_split=cut == "split",
+                      expert_mx_half_pack=cut == "pack",
                       name=f"k3b_b{batch}_{stream}_{cols}{'_tiles' if tiles else ''}{'_cut' if cut else ''}"
                            f"{'_' + cut if isinstance(cut, str) else ''}")
     rt = Megakernel(plan)
