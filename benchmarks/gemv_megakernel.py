@@ -187,7 +187,10 @@ def main() -> int:
     ap.add_argument("--json", default=os.environ.get("OUT", ".") + "/gemv_megakernel.json")
     ap.add_argument("--variants", help="threads:unroll:tiles:rows_per_warp:gemv:batch[:n:k],... where gemv is "
                                        "simt, mma or mma+FIELD=VALUE+... (KernelPlan fields, e.g. gemv_kw=4)",
-                    default="512:4:132:1:simt:1,512:4:132:1:mma:1,512:8:132:1:mma:1,512:4:132:1:simt:16,"
+                    # first (the one --quick times): the step's batch-1 GEMV (lower.py: 512
+                    # threads, 8 chunks in flight, CUDA cores, row-major weights at batch 1)
+                    default="512:8:132:1:simt:1,512:4:132:1:simt:1,512:4:132:1:mma:1,512:8:132:1:mma:1,"
+                            "512:4:132:1:simt:16,"
                             "512:4:132:1:mma:16,512:4:132:1:mma:4,512:4:132:1:mma:16:2112:7168")
     ap.add_argument("--gemv", default="simt,mma", help="GEMV_BF16 bodies to check for correctness "
                                                        "(as in --variants, e.g. mma+gemv_kw=4)")

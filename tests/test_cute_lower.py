@@ -661,3 +661,14 @@ def test_norm_rows_parallel_default_follows_batch():
         assert low.plan().norm_rows_parallel is want, batch
     _, low = lower_for_cute(kimi_k3.build_graph("tiny"), 16, L)
     assert low.plan(norm_rows_parallel=False).norm_rows_parallel is False
+
+
+def test_expert_mx_half_pack_default_follows_the_mxfp4_body():
+    """Lowered.plan turns expert_mx_half_pack on wherever the MXFP4 tensor-core body runs with half
+    units (timed on slice4: backends/cute/lower.py), off without expert_mx_mma or with whole units
+    (where the plan would refuse it); an explicit value wins."""
+    _, low = lower_for_cute(kimi_k3.build_graph("tiny", expert_dtype="mxfp4"), 1, L)
+    assert low.plan(expert_mx_mma=True).expert_mx_half_pack is True
+    assert low.plan(expert_mx_mma=True, expert_half_units=False).expert_mx_half_pack is False
+    assert low.plan(expert_mx_mma=True, expert_mx_half_pack=False).expert_mx_half_pack is False
+    assert low.plan().expert_mx_half_pack is False      # no expert_mx_mma asked for
