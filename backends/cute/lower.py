@@ -130,8 +130,9 @@ class Lowered:
         # control (3 rounds; logits bit for bit the same at this state): B = 16 -0.8% (control
         # +0.2%), B = 4 -1.5% (control -0.4%), B = 1 +2.1% (control 0.0%), so B > 1 only
         # (docs/results/plan_variants_h200_slice4-e128_mla_wgmma_ksplit_stop34.log,
-        # mla_partial_h200_wgmma_stop34.log). Not timed in a kernel with MXFP4 expert bodies
-        # (the register allocation there moved with the MLA body's code before): off there.
+        # mla_partial_h200_wgmma_stop34.log). In a kernel with MXFP4 expert bodies (slice4,
+        # stop 38): B = 16 +0.5%, B = 4 -0.5% (controls -0.0%; plan_variants_h200_slice4_b16_b4_
+        # mla_wgmma_stop38.log), within a round's spread: off there.
         wgmma = (self.batch > 1 and kw.get("threads") == 512
                  and not any(r.opcode == Opcode.EXPERT_MXFP4 for r in rows)
                  and all(r.k == MLA_MAX_LORA and r.p2 == MLA_MAX_ROPE for r in rows
